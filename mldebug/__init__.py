@@ -1,0 +1,42 @@
+"""mldebug: a debugger that speaks machine learning.
+
+Public API (all lazy, so `import mldebug` stays cheap and patches nothing):
+    summary(x)            one-glance summary of a tensor / array (TensorSummary)
+    describe(obj)         the multi-line text that `inspect` prints
+    set_trace(frame=None) open mldebug's debugger here (PYTHONBREAKPOINT=mldebug.set_trace)
+    watch(...)            break on the first NaN/Inf (context manager / handle with close())
+    allow(*patterns)      exempt ops or modules from the watch
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .errors import MLDebugError, NonFiniteError, UsageError  # noqa: F401
+
+_LAZY = {
+    "summary": ("summary", "summary"),
+    "TensorSummary": ("summary", "TensorSummary"),
+    "describe": ("summary", "describe"),
+    "set_trace": ("debugger", "set_trace"),
+    "post_mortem": ("debugger", "post_mortem"),
+    "watch": ("watch", "watch"),
+    "allow": ("watch", "allow"),
+    "Stop": ("session", "Stop"),
+    "Violation": ("session", "Violation"),
+}
+
+
+def __getattr__(name):
+    try:
+        module_name, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'mldebug' has no attribute {name!r}") from None
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module_name}", __name__), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))

@@ -1,0 +1,75 @@
+"""Which frames are the user's own code.
+
+A stop is shown in the innermost frame of the user's code: not the standard library,
+not site-packages, not torch and not mldebug. The answer depends only on the file name,
+so it is cached per file.
+"""
+from __future__ import annotations
+
+import os
+import site
+import sys
+import sysconfig
+from types import FrameType
+
+_MLDEBUG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _library_dirs() -> tuple[str, ...]:
+    dirs = {_MLDEBUG_DIR}
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            dirs.add(os.path.realpath(path) + os.sep)
+            dirs.add(os.path.abspath(path) + os.sep)
+    try:
+        for path in site.getsitepackages() + [site.getusersitepackages()]:
+            dirs.add(os.path.abspath(path) + os.sep)
+    except AttributeError:  # virtualenv's old site module
+        pass
+    for name in ("torch", "numpy", "debugpy", "IPython", "bokeh", "tornado", "transformers"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "__file__", None):
+            dirs.add(os.path.dirname(os.path.abspath(module.__file__)) + os.sep)
+    return tuple(sorted(dirs))
+
+
+_LIBRARY_DIRS = _library_dirs()
+_is_user_cache: dict[str, bool] = {}
+
+
+def is_user_file(filename: str) -> bool:
+    """True for files of the user's own program (not stdlib, site-packages, torch, mldebug)."""
+    cached = _is_user_cache.get(filename)
+    if cached is not None:
+        return cached
+    if not filename or filename.startswith("<"):
+        # <stdin>, <string>, <frozen runpy>: only the interactive prompt counts as the user's
+        result = filename in ("<stdin>",) or filename.startswith("<ipython-input")
+    else:
+        path = os.path.abspath(filename)
+        real = os.path.realpath(filename)
+        result = not any(path.startswith(d) or real.startswith(d) for d in _LIBRARY_DIRS)
+    _is_user_cache[filename] = result
+    return result
+
+
+def user_frame(frame: FrameType | None) -> FrameType | None:
+    """The innermost frame of user code at or above ``frame`` (None when there is none)."""
+    while frame is not None:
+        if is_user_file(frame.f_code.co_filename):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def caller_user_frame(depth: int = 1) -> FrameType | None:
+    """The innermost user frame above the caller of this function."""
+    return user_frame(sys._getframe(depth + 1))
+
+
+def location(frame: FrameType | None) -> tuple[str, int, str]:
+    """(absolute file, line, function) of a frame, or ('', 0, '')."""
+    if frame is None:
+        return "", 0, ""
+    return os.path.abspath(frame.f_code.co_filename), frame.f_lineno, frame.f_code.co_name
