@@ -1,0 +1,315 @@
+"""The command line: `python -m mldebug [options] script.py [args...]`.
+
+Runs the program as `__main__` exactly as `python script.py` would (sys.argv,
+sys.path[0], `__file__`), without tracing, until something is worth a stop: a NaN/Inf
+(the watch), `breakpoint()`, or an uncaught exception (post-mortem). The exit status is
+the program's; `--batch` turns the first real stop into exit status 3.
+"""
+from __future__ import annotations
+
+import argparse
+import bdb
+import builtins
+import os
+import runpy
+import sys
+import traceback
+import types
+
+from . import __version__
+from . import frames as _frames
+from . import session as _session
+
+EXIT_USAGE = 2
+EXIT_BATCH_STOP = 3
+EXIT_EXCEPTION = 1
+
+EPILOG = """\
+examples:
+  python -m mldebug train.py --lr 0.1        run train.py, stop on the first NaN/Inf
+  python -m mldebug --batch --report stops.jsonl train.py
+                                             CI guard: exit 3 on the first NaN/Inf
+  python -m mldebug -m mypkg.train           run a module, like python -m
+  python -m mldebug --stop-at-start train.py stop on the first line, as pdb does
+  python -m mldebug -c 'inspect loss' -c c train.py
+                                             run commands at the first prompt
+
+At the prompt: every pdb command, plus `inspect EXPR`, `why`, `watch on|off`,
+`breakon nan,inf`, `stopinfo`. `help CMD` explains one.
+"""
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """Bad options are one line on stderr and exit status 2, never a traceback."""
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, f"mldebug: error: {message} (see 'mldebug --help')\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineErrorParser(
+        prog="mldebug",
+        usage="python -m mldebug [options] (script.py | -m module) [args...]",
+        description="Run a Python program under mldebug: a debugger that speaks machine "
+                    "learning. It runs until something is worth a stop (a NaN/Inf, "
+                    "breakpoint(), an uncaught exception) and opens a pdb prompt with ML "
+                    "commands there.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-m", dest="module", metavar="MODULE",
+                        help="run library module MODULE as __main__, like `python -m MODULE`")
+    parser.add_argument("-c", "--command", dest="commands", action="append", default=[],
+                        metavar="CMD",
+                        help="debugger command to run at the first prompt (repeatable), "
+                             "e.g. -c 'inspect x' -c continue")
+    parser.add_argument("--stop-at-start", action="store_true",
+                        help="stop at the program's first line, as `python -m pdb` does")
+    parser.add_argument("--batch", action="store_true",
+                        help="never prompt: print each stop; the first stop other than a "
+                             "breakpoint() ends the program with exit status 3 "
+                             "(an uncaught exception keeps 1). Example: --batch --report r.jsonl")
+    parser.add_argument("--report", metavar="PATH",
+                        help="append every stop to PATH as one JSON object per line "
+                             "(keys: reason, message, file, line, function, stage, op, module, "
+                             "assertion, ...). Example: --report stops.jsonl")
+    parser.add_argument("--break-on", default="nan,inf,assert,exception", metavar="KINDS",
+                        help="comma-separated stops: nan, inf, inf-all (every Inf, even "
+                             "masks), assert, exception, or none (default: %(default)s). "
+                             "Example: --break-on nan")
+    parser.add_argument("--watch", choices=("on", "off"), default="on",
+                        help="the NaN/Inf watch (default: on; off costs nothing)")
+    parser.add_argument("--allow", action="append", default=[], metavar="PATTERN",
+                        help="exempt ops or modules from the watch by pattern "
+                             "(repeatable), e.g. --allow 'aten.log*' --allow 'encoder.*'")
+    parser.add_argument("--plain", action="store_true",
+                        help="plain pdb prompt even on a terminal (no IPython colours)")
+    parser.add_argument("--version", action="version", version=f"mldebug {__version__}")
+    parser.add_argument("target", nargs="?", metavar="script.py",
+                        help="the program to run")
+    parser.add_argument("args", nargs="*", metavar="args",
+                        help="arguments passed to the program as sys.argv[1:]")
+    return parser
+
+
+_VALUE_OPTIONS = {"-m", "-c", "--command", "--report", "--break-on", "--watch", "--allow"}
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split ARGV into mldebug's own part (up to the script or `-m MODULE`) and the
+    program's arguments, which are passed through untouched even when they look like
+    options (`train.py --lr 0.1`, `-m pkg.train -v`)."""
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":
+            return argv[:i] + argv[i + 1:i + 2], argv[i + 2:]
+        if word == "-m":
+            return argv[:i + 2], argv[i + 2:]
+        if word in _VALUE_OPTIONS:
+            i += 2
+            continue
+        if not word.startswith("-") or word == "-":
+            return argv[:i + 1], argv[i + 1:]
+        i += 1
+    return argv, []
+
+
+# -- the program as __main__ ---------------------------------------------------------
+
+class Program:
+    """What to run and how to install it as `__main__`."""
+
+    def __init__(self, code, filename: str, argv: list[str], path0: str, main_attrs: dict):
+        self.code = code
+        self.filename = filename
+        self.argv = argv
+        self.path0 = path0
+        self.main_attrs = main_attrs
+
+    @classmethod
+    def from_script(cls, script: str, args: list[str]) -> "Program":
+        if not os.path.exists(script):
+            raise _CliError(f"no such file: {script!r}")
+        if os.path.isdir(script):
+            raise _CliError(f"{script!r} is a directory, not a Python script")
+        filename = os.path.abspath(script)
+        try:
+            with open(filename, "rb") as fh:
+                source = fh.read()
+            code = compile(source, filename, "exec")
+        except SyntaxError:
+            traceback.print_exc(limit=0)
+            raise _CliError(f"{script!r} does not compile") from None
+        except OSError as exc:
+            raise _CliError(f"cannot read {script!r}: {exc.strerror}") from None
+        return cls(code, filename, [script] + args,
+                   os.path.dirname(os.path.realpath(filename)),
+                   {"__file__": filename, "__cached__": None, "__spec__": None,
+                    "__package__": None, "__loader__": None})
+
+    @classmethod
+    def from_module(cls, module: str, args: list[str]) -> "Program":
+        sys.path.insert(0, os.getcwd())  # so the module is found as `python -m` finds it
+        try:
+            name, spec, code = runpy._get_module_details(module)  # noqa: SLF001
+        except ImportError as exc:
+            raise _CliError(f"cannot run module {module!r}: {exc}") from None
+        finally:
+            sys.path.pop(0)
+        filename = spec.origin or module
+        return cls(code, filename, [filename] + args, os.getcwd(),
+                   {"__file__": filename, "__cached__": spec.cached, "__spec__": spec,
+                    "__package__": spec.parent, "__loader__": spec.loader})
+
+    def install(self) -> dict:
+        """Make a fresh `__main__` and sys.argv / sys.path[0] as python itself would."""
+        main = types.ModuleType("__main__")
+        main.__dict__.update(self.main_attrs)
+        main.__dict__["__builtins__"] = builtins
+        sys.modules["__main__"] = main
+        sys.argv[:] = self.argv
+        sys.path[0] = self.path0
+        return main.__dict__
+
+
+class _CliError(Exception):
+    pass
+
+
+def _exit_status(exc: SystemExit) -> int:
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _strip_own_frames(tb):
+    """Drop mldebug's own frames from the top of a traceback before printing it."""
+    while tb is not None and not _frames.is_user_file(tb.tb_frame.f_code.co_filename) \
+            and tb.tb_frame.f_code.co_filename.startswith(_frames._MLDEBUG_DIR):
+        tb = tb.tb_next
+    return tb
+
+
+def _innermost_user_frame(tb):
+    frame = None
+    while tb is not None:
+        if _frames.is_user_file(tb.tb_frame.f_code.co_filename):
+            frame = tb.tb_frame
+        tb = tb.tb_next
+    return frame
+
+
+def _start_watch(session: _session.Session, args):
+    if args.watch != "on" or not (session.break_on & {"nan", "inf"}):
+        return None
+    from . import watch as _watch
+
+    return _watch.watch(on_violation=session.on_violation, break_on=session.break_on,
+                        allow=tuple(args.allow))
+
+
+def run(args) -> int:
+    """Run the program described by parsed ARGS; returns the exit status."""
+    try:
+        break_on = _session.parse_break_on(args.break_on)
+    except ValueError as exc:
+        print(f"mldebug: error: --break-on: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.batch and args.stop_at_start:
+        print("mldebug: error: --batch never prompts; drop --stop-at-start", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        program = (Program.from_module(args.module, ([args.target] if args.target else []) + args.args)
+                   if args.module else Program.from_script(args.target, args.args))
+    except _CliError as exc:
+        print(f"mldebug: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+    session = _session.install(_session.Session(
+        break_on=break_on, batch=args.batch, report_path=args.report))
+    if args.report:
+        try:
+            open(session.report_path, "a").close()
+        except OSError as exc:
+            print(f"mldebug: error: --report {args.report!r}: {exc.strerror}", file=sys.stderr)
+            return EXIT_USAGE
+    from . import debugger as _debugger
+
+    debugger = None
+    if not args.batch:
+        debugger = _debugger.get_debugger(session, plain=True if args.plain else None)
+        debugger.rcLines.extend(args.commands)
+    elif args.commands:
+        print("mldebug: note: -c commands are ignored with --batch (it never prompts)",
+              file=sys.stderr)
+
+    globals_ = program.install()
+    saved_hook = sys.breakpointhook
+    sys.breakpointhook = _debugger.set_trace
+    watch = _start_watch(session, args)
+    try:
+        if args.stop_at_start:
+            debugger.mainpyfile = debugger.canonic(program.filename)
+            debugger._wait_for_mainpyfile = True
+            debugger.run(program.code, globals_)
+        else:
+            exec(program.code, globals_)
+        return 0
+    except SystemExit as exc:
+        return _exit_status(exc)
+    except _session.BatchStop:
+        return EXIT_BATCH_STOP
+    except bdb.BdbQuit:
+        return 0
+    except BaseException as exc:  # noqa: BLE001 - the user's program raised
+        if session.batch_stopped:
+            return EXIT_BATCH_STOP
+        return _post_mortem(exc, session, debugger)
+    finally:
+        if watch is not None:
+            watch.close()
+        sys.breakpointhook = saved_hook
+
+
+def _post_mortem(exc: BaseException, session: _session.Session, debugger) -> int:
+    tb = _strip_own_frames(exc.__traceback__)
+    traceback.print_exception(type(exc), exc, tb)
+    sys.stderr.flush()
+    status = 130 if isinstance(exc, KeyboardInterrupt) else EXIT_EXCEPTION
+    stop = _session.Stop.from_exception(exc, _innermost_user_frame(tb))
+    session.record(stop)
+    if debugger is None or not session.wants("exception") or tb is None:
+        print(f"mldebug: stop: {stop.message}", file=sys.stderr, flush=True)
+        return status
+    debugger.message(f"mldebug: {stop.message}")
+    debugger.message("  (post-mortem: the program has ended; `where`, `up`, `inspect NAME`, "
+                     "`q` to quit)")
+    debugger._current_stop = stop
+    try:
+        debugger.post_mortem_at(tb)
+    except bdb.BdbQuit:
+        pass
+    return status
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `mldebug` and `python -m mldebug`; never returns."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["runs"]:
+        print("mldebug: error: 'runs' is not available yet", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    parser = build_parser()
+    own, program_args = split_argv(argv)
+    args = parser.parse_args(own)
+    args.args = list(args.args) + program_args
+    if args.target is None and args.module is None:
+        parser.error("no program given: name a script.py or -m module")
+    status = run(args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(status)

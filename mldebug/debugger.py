@@ -1,0 +1,332 @@
+"""MLPdb: pdb that knows tensors.
+
+Layering follows CPython: `cmd.Cmd` (prompt) → `bdb.Bdb` (tracing) → `pdb.Pdb` (UI).
+mldebug adds a mixin of ML commands (`do_inspect`, `do_why`, `do_watch`, `do_breakon`)
+on top of whichever pdb-derived base fits the terminal: IPython's debugger (colour,
+completion, highlighting, what ipdb does) on a terminal, plain `pdb.Pdb` on a pipe.
+
+All output goes through `message()` / `error()`; commands never raise.
+"""
+from __future__ import annotations
+
+import bdb
+import os
+import pdb
+import sys
+from types import FrameType
+from typing import Optional
+
+from . import frames as _frames
+from . import session as _session
+from .session import Stop
+
+PROMPT = "(mldebug) "
+
+
+class MLCommands:
+    """The ML-aware commands, mixed into a pdb.Pdb subclass."""
+
+    mldebug_session: _session.Session
+
+    def _init_ml(self, session: Optional[_session.Session]) -> None:
+        self.prompt = PROMPT
+        self.mldebug_session = session or _session.current()
+        self._initial_frame: Optional[FrameType] = None
+        self._current_stop: Optional[Stop] = None
+
+    # -- where a pause lands ---------------------------------------------------------
+    def setup(self, f, tb):
+        result = super().setup(f, tb)
+        # Land in the user's innermost frame, not inside torch (post-mortem / stops).
+        target = self._initial_frame
+        if target is not None:
+            for index, (frame, _) in enumerate(self.stack):
+                if frame is target:
+                    self.curindex = index
+                    self.curframe = frame
+                    self.curframe_locals = frame.f_locals
+                    break
+        return result
+
+    def onecmd(self, line):
+        # A bug in a command must never take the user's program down with it.
+        try:
+            return super().onecmd(line)
+        except bdb.BdbQuit:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            self.error(f"internal error in mldebug while running {line.split()[0] if line.split() else line!r}: "
+                       f"{type(exc).__name__}: {exc}")
+            return False
+
+    # -- helpers ---------------------------------------------------------------------
+    def _eval_in_frame(self, expr: str):
+        """Evaluate EXPR in the current frame; returns (ok, value_or_error_text)."""
+        frame = self.curframe
+        if frame is None:
+            return False, "no frame to evaluate in"
+        try:
+            code = compile(expr, "<mldebug>", "eval")
+        except SyntaxError as exc:
+            return False, f"SyntaxError: {exc.msg}"
+        try:
+            return True, eval(code, frame.f_globals, self.curframe_locals)
+        except BaseException as exc:  # noqa: BLE001 - the prompt must survive anything
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                return False, type(exc).__name__
+            return False, f"{type(exc).__name__}: {exc}"
+
+    # -- commands --------------------------------------------------------------------
+    def do_inspect(self, arg):
+        """inspect EXPR
+        Summarise the value of EXPR at a glance: a tensor or array (shape, dtype,
+        device, stats of the finite values, NaN/Inf counts, histogram, grad), a module
+        (its parameters), a container of tensors, or anything else (its repr).
+        `!inspect` reaches a variable named inspect.
+        """
+        expr = arg.strip()
+        if not expr:
+            self.error("usage: inspect EXPR")
+            return
+        ok, value = self._eval_in_frame(expr)
+        if not ok:
+            self.error(f"inspect {expr}: {value}")
+            return
+        from .summary import describe
+
+        self.message(describe(value, name=expr))
+
+    complete_inspect = pdb.Pdb._complete_expression
+
+    def do_why(self, arg):
+        """why
+        Explain the current stop: where the NaN/Inf was made, whether the op's inputs
+        were finite (it made it) or not (it came in from outside, and which input),
+        with summaries of the inputs and the bad output.
+        """
+        violation = self.mldebug_session.last_violation
+        stop = self._current_stop
+        if violation is None:
+            if stop is not None:
+                self.message(stop.message)
+            else:
+                self.error("why: nothing has stopped the program yet")
+            return
+        self.message(violation.headline())
+        if violation.created:
+            self.message("  root cause: this op made the non-finite value from finite inputs")
+        else:
+            self.message(f"  it came in through {violation.culprit or 'an input'}: "
+                         "made before the watched ops (data, a checkpoint, a constant)")
+        if violation.node:
+            self.message(f"  backward node {violation.node}, built by the forward op at "
+                         f"{violation.file}:{violation.line} ({violation.function})")
+        for name, summary in violation.inputs:
+            self.message(f"  input {name}: {summary}")
+        if violation.output is not None:
+            self.message(f"  output: {violation.output}")
+
+    def do_watch(self, arg):
+        """watch [on|off]
+        Turn the NaN/Inf watch on or off; without an argument, say whether it is on.
+        """
+        from . import watch as _watch
+
+        word = arg.strip().lower()
+        active = _watch.active_watch()
+        if word == "":
+            state = "on" if active is not None else "off"
+            kinds = ",".join(sorted(self.mldebug_session.break_on)) or "none"
+            self.message(f"watch is {state}; break on: {kinds}")
+        elif word == "on":
+            if active is None:
+                _watch.watch(on_violation=self.mldebug_session.on_violation,
+                             break_on=self.mldebug_session.break_on)
+            self.message("watch is on")
+        elif word == "off":
+            if active is not None:
+                active.close()
+            self.message("watch is off")
+        else:
+            self.error(f"watch: expected 'on' or 'off', got {arg.strip()!r}")
+
+    def do_breakon(self, arg):
+        """breakon [KIND[,KIND...]]
+        Set what stops the program: nan, inf, inf-all, assert, exception, or none.
+        Without an argument, show the current setting. Example: breakon nan,inf
+        """
+        text = arg.strip()
+        if not text:
+            kinds = ",".join(sorted(self.mldebug_session.break_on)) or "none"
+            self.message(f"break on: {kinds}")
+            return
+        try:
+            kinds = _session.parse_break_on(text)
+        except ValueError as exc:
+            self.error(f"breakon: {exc}")
+            return
+        self.mldebug_session.break_on = kinds
+        from . import watch as _watch
+
+        active = _watch.active_watch()
+        if active is not None:
+            active.set_break_on(kinds)
+        self.message(f"break on: {','.join(sorted(kinds)) or 'none'}")
+
+    def do_stopinfo(self, arg):
+        """stopinfo
+        Print the current stop as the JSON record that --report writes.
+        """
+        stop = self._current_stop or (self.mldebug_session.stops[-1]
+                                      if self.mldebug_session.stops else None)
+        if stop is None:
+            self.error("stopinfo: no stop yet")
+            return
+        self.message(stop.to_json())
+
+    # -- pausing from inside the engine --------------------------------------------
+    def pause_at(self, stop: Stop, frame: Optional[FrameType]) -> None:
+        """Open the prompt at FRAME for STOP, while the engine's hook is still on the
+        stack (so every local of the user's code is alive); `continue` returns into it.
+        """
+        self._current_stop = stop
+        self.message(f"mldebug: {stop.message}")
+        if stop.pause_file:
+            self.message(f"  (paused at {os.path.basename(stop.pause_file)}:{stop.pause_line}; "
+                         "`why` explains, `inspect NAME` shows a tensor, `c` continues)")
+        else:
+            self.message("  (`why` explains, `inspect NAME` shows a tensor, `c` continues)")
+        if frame is None:
+            frame = _frames.caller_user_frame(1) or sys._getframe(1)
+        from . import watch as _watch
+
+        active = _watch.active_watch()
+        suspended = active.suspended() if active is not None else _NullContext()
+        with suspended:
+            self._interact_from_hook(frame)
+
+    def _interact_from_hook(self, frame: FrameType) -> None:
+        self.reset()
+        # Make stepping commands work after the prompt: trace the user's frames.
+        f = frame
+        while f is not None:
+            f.f_trace = self.trace_dispatch
+            self.botframe = f
+            f = f.f_back
+        self._initial_frame = frame
+        try:
+            self.interaction(frame, None)
+        finally:
+            self._initial_frame = None
+        if self.quitting:
+            raise bdb.BdbQuit
+        continuing = self.stopframe is self.botframe and self.stoplineno == -1
+        if continuing and not self.breaks:
+            sys.settrace(None)
+            f = frame
+            while f is not None:
+                f.f_trace = None
+                f = f.f_back
+        else:
+            sys.settrace(self.trace_dispatch)
+
+    def post_mortem_at(self, tb) -> None:
+        """Post-mortem prompt at the innermost user frame of TB."""
+        self.reset()
+        frame = None
+        t = tb
+        while t is not None:
+            if _frames.is_user_file(t.tb_frame.f_code.co_filename):
+                frame = t.tb_frame
+            t = t.tb_next
+        self._initial_frame = frame
+        try:
+            self.interaction(None, tb)
+        finally:
+            self._initial_frame = None
+
+
+class _NullContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class MLPdb(MLCommands, pdb.Pdb):
+    """mldebug's debugger on a plain text stream (pipes, tests)."""
+
+    def __init__(self, completekey="tab", stdin=None, stdout=None, session=None, **kwargs):
+        kwargs.setdefault("skip", ["mldebug", "mldebug.*"])
+        pdb.Pdb.__init__(self, completekey, stdin, stdout, **kwargs)
+        self._init_ml(session)
+
+
+def _ipython_class():
+    """MLCommands on IPython's terminal debugger, or None when IPython is missing."""
+    try:
+        from IPython.terminal.debugger import TerminalPdb
+    except Exception:  # noqa: BLE001 - IPython is optional at run time
+        return None
+
+    class MLIPdb(MLCommands, TerminalPdb):
+        """mldebug's debugger on a terminal: IPython's colours and completion."""
+
+        def __init__(self, session=None, **kwargs):
+            kwargs.setdefault("skip", ["mldebug", "mldebug.*"])
+            TerminalPdb.__init__(self, **kwargs)
+            self._init_ml(session)
+
+    return MLIPdb
+
+
+def _on_terminal() -> bool:
+    try:
+        return sys.stdin.isatty() and sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+_debugger = None
+
+
+def get_debugger(session: Optional[_session.Session] = None, plain: Optional[bool] = None):
+    """The process's debugger, created on first use and wired to the session as its
+    pauser."""
+    global _debugger
+    session = session or _session.current()
+    if _debugger is None or _debugger.mldebug_session is not session:
+        if plain is None:
+            plain = os.environ.get("MLDEBUG_PLAIN", "") not in ("", "0") or not _on_terminal()
+        cls = None if plain else _ipython_class()
+        _debugger = cls(session=session) if cls is not None else MLPdb(session=session)
+    session.pauser = _debugger.pause_at
+    return _debugger
+
+
+def set_trace(frame: Optional[FrameType] = None, *, header: Optional[str] = None) -> None:
+    """Open mldebug's debugger in the caller's frame (what `breakpoint()` calls under
+    mldebug, and `PYTHONBREAKPOINT=mldebug.set_trace` without the CLI)."""
+    if frame is None:
+        frame = sys._getframe().f_back
+    session = _session.current()
+    stop = Stop.from_breakpoint(frame)
+    if session.batch:
+        session.stop(stop, frame)  # prints the report; breakpoints never end a batch run
+        return
+    session.record(stop)
+    debugger = get_debugger(session)
+    debugger._current_stop = stop
+    if header is not None:
+        debugger.message(header)
+    debugger.set_trace(frame)
+
+
+def post_mortem(tb=None) -> None:
+    """Post-mortem prompt for TB (default: the exception being handled)."""
+    if tb is None:
+        tb = sys.exc_info()[2]
+    if tb is None:
+        raise ValueError("post_mortem: no traceback given and no exception is being handled")
+    get_debugger().post_mortem_at(tb)
