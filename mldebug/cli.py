@@ -207,8 +207,10 @@ def _innermost_user_frame(tb):
 def _start_watch(session: _session.Session, args):
     if args.watch != "on" or not (session.break_on & {"nan", "inf"}):
         return None
-    from . import watch as _watch
-
+    try:  # TEMP until watch lands
+        from . import watch as _watch
+    except ImportError:
+        return None
     return _watch.watch(on_violation=session.on_violation, break_on=session.break_on,
                         allow=tuple(args.allow))
 

@@ -1,0 +1,54 @@
+"""Shared helpers: run the real CLI in a subprocess, as a user would."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PROGRAMS = Path(__file__).resolve().parent / "programs"
+
+
+def clean_env(**extra) -> dict:
+    env = dict(os.environ)
+    for key in ("PYTHONBREAKPOINT", "MLDEBUG_PLAIN", "PYTHONSTARTUP"):
+        env.pop(key, None)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def run_cli(args, stdin: str = "", cwd=None, env=None, timeout: float = 120):
+    """`python -m mldebug ARGS` with STDIN fed as typed commands."""
+    return subprocess.run([sys.executable, "-m", "mldebug", *args], input=stdin,
+                          capture_output=True, text=True, cwd=cwd,
+                          env=env or clean_env(), timeout=timeout)
+
+
+def read_report(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def marker_line(path, marker: str = "# here") -> int:
+    """Line number (1-based) of the line carrying MARKER."""
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if marker in line:
+            return number
+    raise AssertionError(f"no {marker!r} in {path}")
+
+
+@pytest.fixture
+def write_program(tmp_path):
+    """Write a dedented program to tmp_path/NAME and return its path."""
+    def write(source: str, name: str = "prog.py") -> Path:
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(source))
+        return path
+    return write

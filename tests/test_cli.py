@@ -1,0 +1,252 @@
+"""Transcript tests of the real CLI: commands on stdin, the session text and the exit
+status checked, as a user would see them."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import clean_env, marker_line, read_report, run_cli
+
+ARGV_PROGRAM = """
+    import sys
+    print("argv=%r" % (sys.argv,))
+    print("path0=%s" % sys.path[0])
+    print("name=%s file=%s" % (__name__, __file__))
+"""
+
+
+def test_program_runs_as_main_with_argv_and_path_as_python_gives(write_program, tmp_path):
+    prog = write_program(ARGV_PROGRAM)
+    plain = subprocess.run([sys.executable, "prog.py", "a", "--lr", "0.1"], cwd=tmp_path,
+                           capture_output=True, text=True, env=clean_env())
+    result = run_cli(["prog.py", "a", "--lr", "0.1"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == plain.stdout
+    assert f"path0={prog.parent}" in result.stdout
+    assert "argv=['prog.py', 'a', '--lr', '0.1']" in result.stdout
+
+
+def test_dash_m_runs_a_module_like_python_dash_m(write_program, tmp_path):
+    write_program(ARGV_PROGRAM, name="pkg/mod.py")
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    plain = subprocess.run([sys.executable, "-m", "pkg.mod", "-v", "x"], cwd=tmp_path,
+                           capture_output=True, text=True, env=clean_env())
+    result = run_cli(["-m", "pkg.mod", "-v", "x"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == plain.stdout
+
+
+def test_does_not_stop_at_start_and_exit_status_is_the_programs(write_program):
+    prog = write_program("""
+        print("running")
+        raise SystemExit(7)
+    """)
+    result = run_cli([str(prog)])
+    assert result.returncode == 7
+    assert result.stdout == "running\n"
+    assert "(mldebug)" not in result.stdout
+
+
+def test_stop_at_start_stops_on_the_first_line_like_pdb(write_program):
+    prog = write_program("""
+        x = 41
+        x += 1
+        print("x is", x)
+    """)
+    result = run_cli(["--stop-at-start", str(prog)], stdin="n\np x\nc\n")
+    assert result.returncode == 0, result.stderr
+    assert f"> {prog}(2)<module>()" in result.stdout
+    assert "(mldebug) 41" in result.stdout
+    assert "x is 42" in result.stdout
+
+
+def test_breakpoint_opens_mldebug_and_inspect_summarises_a_tensor(write_program):
+    prog = write_program("""
+        import torch
+        weights = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+        breakpoint()  # here
+        print("after", weights.sum().item())
+    """)
+    result = run_cli([str(prog)], stdin="inspect weights\nc\n")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "(mldebug) " in out
+    assert "tensor[2, 3] f32" in out
+    assert "after 15.0" in out
+
+
+def test_bad_expression_is_one_error_line_and_the_prompt_stays(write_program):
+    prog = write_program("""
+        class Grumpy:
+            def __repr__(self):
+                raise RuntimeError("no repr for you")
+        g = Grumpy()
+        value = 3
+        breakpoint()
+        print("value", value)
+    """)
+    result = run_cli([str(prog)], stdin="inspect nosuchname\ninspect 1 +\ninspect g\n"
+                                        "inspect\np value\nc\n")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "*** inspect nosuchname: NameError: name 'nosuchname' is not defined" in out
+    assert "*** inspect 1 +: SyntaxError" in out
+    assert "repr failed: RuntimeError: no repr for you" in out
+    assert "*** usage: inspect EXPR" in out
+    assert "(mldebug) 3\n" in out
+    assert "value 3" in out
+
+
+def test_uncaught_exception_opens_post_mortem_at_the_user_frame_and_exits_1(write_program):
+    prog = write_program("""
+        import torch
+
+        def project(x, w):
+            return x @ w  # here
+
+        project(torch.ones(2, 3), torch.ones(4, 5))
+    """)
+    result = run_cli([str(prog)], stdin="p x.shape\nup\np __name__\nq\n")
+    assert result.returncode == 1
+    line = marker_line(prog)
+    assert f"> {prog}({line})project()" in result.stdout
+    assert "(mldebug) torch.Size([2, 3])" in result.stdout
+    assert "mldebug: uncaught RuntimeError" in result.stdout
+    assert "Traceback (most recent call last)" in result.stderr
+    assert "mldebug/cli.py" not in result.stderr  # our own frames are not the user's business
+
+
+def test_dash_c_runs_commands_at_the_first_prompt(write_program):
+    prog = write_program("""
+        secret = 1234
+        breakpoint()
+        print("done")
+    """)
+    result = run_cli(["-c", "p secret * 2", "-c", "continue", str(prog)])
+    assert result.returncode == 0, result.stderr
+    assert "2468" in result.stdout
+    assert "done" in result.stdout
+
+
+def test_batch_reports_and_never_prompts(write_program, tmp_path):
+    prog = write_program("""
+        x = 1
+        breakpoint()  # a plain breakpoint does not end a batch run
+        print("went on")
+        def fail():
+            raise ValueError("bad value")  # here
+        fail()
+    """)
+    report = tmp_path / "stops.jsonl"
+    result = run_cli(["--batch", "--report", str(report), str(prog)])
+    assert result.returncode == 1  # an uncaught exception keeps 1
+    assert "went on" in result.stdout
+    assert "(mldebug)" not in result.stdout
+    assert "mldebug: stop: breakpoint at prog.py:3" in result.stderr
+    assert "mldebug: stop: uncaught ValueError: bad value" in result.stderr
+    records = read_report(report)
+    assert [r["reason"] for r in records] == ["breakpoint", "exception"]
+    exc = records[1]
+    for key in ("reason", "message", "file", "line", "function", "stage", "op", "module",
+                "assertion"):
+        assert key in exc
+    assert exc["file"] == str(prog)
+    assert exc["line"] == marker_line(prog)
+    assert exc["function"] == "fail"
+    assert exc["stage"] == "other"
+    assert exc["op"] == "" and exc["module"] == "" and exc["assertion"] == ""
+
+
+def test_report_appends_across_runs(write_program, tmp_path):
+    prog = write_program("breakpoint()\n")
+    report = tmp_path / "r.jsonl"
+    for _ in range(2):
+        assert run_cli(["--batch", "--report", str(report), str(prog)]).returncode == 0
+    assert len(read_report(report)) == 2
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["nosuch.py"], "mldebug: error: no such file: 'nosuch.py'"),
+    (["--bogus", "x.py"], "mldebug: error: unrecognized arguments: --bogus"),
+    (["--break-on", "nan,bogus", "x.py"], "unknown break-on kind 'bogus'"),
+    ([], "mldebug: error: no program given"),
+    (["-m", "no_such_module_xyz"], "cannot run module 'no_such_module_xyz'"),
+])
+def test_bad_command_lines_are_one_line_and_exit_2(args, needle, tmp_path):
+    result = run_cli(args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert needle in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_help_explains_every_option_with_examples():
+    result = run_cli(["--help"])
+    assert result.returncode == 0
+    for option in ("-m", "-c", "--stop-at-start", "--batch", "--report", "--break-on",
+                   "--watch", "--allow", "--plain"):
+        assert option in result.stdout
+    assert "examples:" in result.stdout
+    assert "python -m mldebug --batch --report stops.jsonl train.py" in result.stdout
+
+
+def test_pythonbreakpoint_env_works_without_the_cli(write_program, tmp_path):
+    prog = write_program("""
+        import torch
+        t = torch.tensor([1.0, float('nan'), 3.0])
+        breakpoint()
+        print("resumed")
+    """)
+    result = subprocess.run([sys.executable, str(prog)], input="inspect t\nc\n",
+                            capture_output=True, text=True,
+                            env=clean_env(PYTHONBREAKPOINT="mldebug.set_trace"))
+    assert result.returncode == 0, result.stderr
+    assert "(mldebug) " in result.stdout
+    assert "NaN" in result.stdout
+    assert "resumed" in result.stdout
+
+
+def test_mldebug_set_trace_from_python(write_program):
+    prog = write_program("""
+        import mldebug
+        answer = 42
+        mldebug.set_trace()
+        print("resumed")
+    """)
+    result = subprocess.run([sys.executable, str(prog)], input="p answer\nc\n",
+                            capture_output=True, text=True, env=clean_env())
+    assert result.returncode == 0, result.stderr
+    assert "(mldebug) 42" in result.stdout
+    assert "resumed" in result.stdout
+
+
+def test_pdb_commands_keep_working(write_program):
+    prog = write_program("""
+        def inner(a):
+            b = a * 2
+            breakpoint()
+            return b + 1
+
+        def outer():
+            return inner(5)
+
+        print("result", outer())
+    """)
+    result = run_cli([str(prog)], stdin="where\nup\np __name__\ndown\npp {'b': b}\n"
+                                        "display b\nn\nn\nc\n")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "outer()" in out and "inner()" in out
+    assert "{'b': 10}" in out
+    assert "display b: 10" in out
+    assert "result 11" in out
+
+
+def test_help_inspect_prints_its_syntax(write_program):
+    prog = write_program("breakpoint()\n")
+    result = run_cli([str(prog)], stdin="help inspect\nhelp why\nc\n")
+    assert "inspect EXPR" in result.stdout
+    assert "why" in result.stdout
