@@ -1,0 +1,55 @@
+"""The examples the README points at, run through the real CLI."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import REPO, marker_line, read_report, run_cli
+
+EXAMPLES = REPO / "examples"
+
+
+def line_of(path: Path, text: str) -> int:
+    return marker_line(path, text)
+
+
+def test_nan_loss_stops_at_the_log_in_batch_mode(tmp_path):
+    example = EXAMPLES / "nan_loss.py"
+    report = tmp_path / "r.jsonl"
+    result = run_cli(["--batch", "--report", str(report), str(example)])
+    assert result.returncode == 3, result.stderr
+    (stop,) = read_report(report)
+    assert stop["reason"] == "inf"
+    assert stop["op"] == "aten.log.default"
+    assert stop["stage"] == "forward"
+    assert stop["file"] == str(example)
+    assert stop["line"] == line_of(example, "log_probs = torch.log(probs)")
+    assert stop["function"] == "cross_entropy"
+    assert stop["created"] is True
+    assert "final loss" not in result.stdout
+
+
+def test_nan_loss_interactive_why_and_inspect_then_quit():
+    example = EXAMPLES / "nan_loss.py"
+    result = run_cli([str(example)], stdin="why\ninspect probs\nup\np step\nq\n")
+    out = result.stdout
+    assert "-Inf from aten.log.default" in out
+    assert f"> {example}({line_of(example, 'log_probs = torch.log(probs)')})cross_entropy()" in out
+    assert "root cause: this op made the non-finite value from finite inputs" in out
+    assert "tensor[256, 5] f32" in out
+    assert "final loss" not in out
+
+
+def test_shape_error_post_mortem_lands_in_the_users_forward():
+    example = EXAMPLES / "shape_error.py"
+    result = run_cli([str(example)], stdin="p h.shape\nq\n")
+    assert result.returncode == 1
+    assert f"> {example}({line_of(example, 'return self.head(h)')})forward()" in result.stdout
+    assert "torch.Size([4, 5408])" in result.stdout
+
+
+def test_healthy_example_runs_through_without_a_stop(tmp_path):
+    report = tmp_path / "r.jsonl"
+    result = run_cli(["--batch", "--report", str(report), str(EXAMPLES / "healthy.py")])
+    assert result.returncode == 0, result.stderr
+    assert "final loss" in result.stdout
+    assert read_report(report) == []

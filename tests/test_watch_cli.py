@@ -1,0 +1,114 @@
+"""The NaN/Inf watch driven through the real CLI: stops, reports, exit status, and the
+promise that a watched run computes bitwise what an unwatched one does."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import PROGRAMS, clean_env, marker_line, read_report, run_cli
+
+TRAIN_AND_SAVE = """
+    import sys
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Flatten(), nn.Dropout(0.1), nn.Linear(8 * 8 * 8, 10))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scores = torch.full((4, 4), float("-inf")).triu(1)     # a causal mask, as attention uses
+    for step in range(5):
+        x = torch.randn(16, 3, 8, 8)
+        y = torch.randint(0, 10, (16,))
+        opt.zero_grad()
+        attn = torch.softmax(torch.randn(4, 4) + scores, dim=-1)   # -inf flows, no NaN
+        loss = nn.functional.cross_entropy(model(x), y) + attn.sum() * 0
+        loss.backward()
+        opt.step()
+    torch.save({"state": model.state_dict(), "rng": torch.get_rng_state()}, sys.argv[1])
+    print("trained", loss.item())
+"""
+
+
+def test_watched_training_is_bitwise_identical_to_plain(write_program, tmp_path):
+    prog = write_program(TRAIN_AND_SAVE)
+    plain = subprocess.run([sys.executable, str(prog), str(tmp_path / "plain.pt")],
+                           capture_output=True, text=True, env=clean_env())
+    assert plain.returncode == 0, plain.stderr
+    report = tmp_path / "r.jsonl"
+    watched = run_cli(["--batch", "--report", str(report), str(prog), str(tmp_path / "w.pt")])
+    assert watched.returncode == 0, watched.stderr
+    assert read_report(report) == []
+    assert watched.stdout == plain.stdout
+    a = torch.load(tmp_path / "plain.pt")
+    b = torch.load(tmp_path / "w.pt")
+    assert torch.equal(a["rng"], b["rng"])
+    for name, tensor in a["state"].items():
+        assert torch.equal(tensor, b["state"][name]), name
+
+
+NAN_AND_GO_ON = """
+    import torch
+    x = torch.tensor([1.0, 0.0, 4.0])
+    y = torch.log(x)  # here
+    z = y * 2        # propagation of the same -inf: not a new stop
+    w = torch.sqrt(torch.tensor([-1.0]))  # a new creation: a new stop
+    print("finished", z.tolist(), w.tolist())
+"""
+
+
+def test_continue_resumes_and_the_next_root_cause_stops_again(write_program):
+    prog = write_program(NAN_AND_GO_ON)
+    result = run_cli([str(prog)], stdin="p x\nc\nc\n")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert f"> {prog}({marker_line(prog)})<module>()" in out
+    assert out.count("mldebug: ") == 2, out
+    assert "NaN from aten.sqrt.default" in out
+    assert "finished [0.0, -inf, 2.772588" in out
+
+
+def test_watch_off_runs_without_stops(write_program):
+    prog = write_program(NAN_AND_GO_ON)
+    result = run_cli(["--watch", "off", "--batch", str(prog)])
+    assert result.returncode == 0, result.stderr
+    assert "finished" in result.stdout
+
+
+def test_break_on_nan_ignores_a_created_inf(write_program):
+    prog = write_program(NAN_AND_GO_ON)
+    report = prog.parent / "r.jsonl"
+    result = run_cli(["--break-on", "nan", "--batch", "--report", str(report), str(prog)])
+    assert result.returncode == 3
+    (stop,) = read_report(report)
+    assert stop["reason"] == "nan" and stop["op"] == "aten.sqrt.default"
+
+
+def test_prompt_commands_watch_and_breakon(write_program):
+    prog = write_program("""
+        import torch
+        breakpoint()
+        a = torch.log(torch.zeros(1))
+        b = torch.sqrt(torch.tensor([-1.0]))
+        print("done", a.item(), b.item())
+    """)
+    result = run_cli([str(prog)], stdin="watch\nbreakon nan\nbreakon nan,bogus\nc\n"
+                                        "watch off\nwatch\nc\n")
+    out = result.stdout
+    assert result.returncode == 0, result.stderr
+    assert "watch is on; break on: assert,exception,inf,nan" in out
+    assert "break on: nan" in out
+    assert "*** breakon: unknown break-on kind 'bogus'" in out
+    assert "NaN from aten.sqrt.default" in out      # the -inf of log no longer stops
+    assert "-Inf" not in out
+    assert "watch is off" in out
+    assert "done -inf nan" in out
+
+
+def test_why_without_a_stop_says_so(write_program):
+    prog = write_program("breakpoint()\n")
+    result = run_cli([str(prog)], stdin="why\nc\n")
+    assert "breakpoint at prog.py:1" in result.stdout
