@@ -33,10 +33,12 @@ class MLCommands:
         self.mldebug_session = session or _session.current()
         self._initial_frame: Optional[FrameType] = None
         self._current_stop: Optional[Stop] = None
+        self.program_code = None  # the CLI's program: frames above it are hidden
 
     # -- where a pause lands ---------------------------------------------------------
     def setup(self, f, tb):
         result = super().setup(f, tb)
+        self._hide_launcher_frames()
         # Land in the user's innermost frame, not inside torch (post-mortem / stops).
         target = self._initial_frame
         if target is not None:
@@ -58,6 +60,19 @@ class MLCommands:
             self.error(f"internal error in mldebug while running {line.split()[0] if line.split() else line!r}: "
                        f"{type(exc).__name__}: {exc}")
             return False
+
+    def _hide_launcher_frames(self) -> None:
+        """Start the stack at the program's module frame: the CLI and runpy frames
+        above it are mldebug's business, not the user's (`up` stops at `<module>`)."""
+        code = self.program_code
+        if code is None:
+            return
+        for index, (frame, _) in enumerate(self.stack):
+            if frame.f_code is code:
+                if index:
+                    del self.stack[:index]
+                    self.curindex = max(0, self.curindex - index)
+                return
 
     # -- helpers ---------------------------------------------------------------------
     def _eval_in_frame(self, expr: str):
@@ -122,7 +137,7 @@ class MLCommands:
             self.message(f"  backward node {violation.node}, built by the forward op at "
                          f"{violation.file}:{violation.line} ({violation.function})")
         for name, summary in violation.inputs:
-            self.message(f"  input {name}: {summary}")
+            self.message(f"  {name}: {summary}")
         if violation.output is not None:
             self.message(f"  output: {violation.output}")
 

@@ -18,24 +18,30 @@ def test_nan_loss_stops_at_the_log_in_batch_mode(tmp_path):
     result = run_cli(["--batch", "--report", str(report), str(example)])
     assert result.returncode == 3, result.stderr
     (stop,) = read_report(report)
+    # softmax underflows to a denormal, log of it is finite, but its derivative 1/p
+    # overflows: the first Inf is made in backward, and reported against the log line
     assert stop["reason"] == "inf"
-    assert stop["op"] == "aten.log.default"
-    assert stop["stage"] == "forward"
+    assert stop["op"] == "aten.div.Tensor"
+    assert stop["stage"] == "backward"
+    assert stop["node"] == "LogBackward0"
     assert stop["file"] == str(example)
     assert stop["line"] == line_of(example, "log_probs = torch.log(probs)")
     assert stop["function"] == "cross_entropy"
     assert stop["created"] is True
+    assert stop["pause_line"] == line_of(example, "loss.backward()")
     assert "final loss" not in result.stdout
 
 
 def test_nan_loss_interactive_why_and_inspect_then_quit():
     example = EXAMPLES / "nan_loss.py"
-    result = run_cli([str(example)], stdin="why\ninspect probs\nup\np step\nq\n")
+    result = run_cli([str(example)], stdin="why\ninspect loss\nup\np step\nq\n")
     out = result.stdout
-    assert "-Inf from aten.log.default" in out
-    assert f"> {example}({line_of(example, 'log_probs = torch.log(probs)')})cross_entropy()" in out
+    assert "Inf from aten.div.Tensor (torch.log) in LogBackward0" in out
+    assert f"> {example}({line_of(example, 'loss.backward()')})<module>()" in out
     assert "root cause: this op made the non-finite value from finite inputs" in out
-    assert "tensor[256, 5] f32" in out
+    assert f"built by the forward op at {example}:{line_of(example, 'torch.log(probs)')}" in out
+    assert "tensor[] f32" in out
+    assert "*** Newest frame" not in out and "*** Oldest frame" in out  # `up` stays in user code
     assert "final loss" not in out
 
 
