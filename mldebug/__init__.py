@@ -13,10 +13,12 @@ __version__ = "0.1.0"
 
 from .errors import MLDebugError, NonFiniteError, UsageError  # noqa: F401
 
+# Imported eagerly on purpose: importing the submodule `mldebug.summary` anywhere would
+# otherwise bind the *module* to `mldebug.summary` and shadow the function. The module
+# imports only numpy and torch, which every user of mldebug has loaded anyway.
+from .summary import TensorSummary, describe, summary  # noqa: E402,F401
+
 _LAZY = {
-    "summary": ("summary", "summary"),
-    "TensorSummary": ("summary", "TensorSummary"),
-    "describe": ("summary", "describe"),
     "set_trace": ("debugger", "set_trace"),
     "post_mortem": ("debugger", "post_mortem"),
     "watch": ("watch", "watch"),
