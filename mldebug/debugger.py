@@ -13,6 +13,7 @@ import bdb
 import os
 import pdb
 import sys
+import warnings
 from types import FrameType
 from typing import Optional
 
@@ -160,7 +161,11 @@ class MLCommands:
             self.message("watch is on")
         elif word == "off":
             if active is not None:
-                active.close()
+                # Paused inside an op, the watch's dispatch mode is not on top of the
+                # stack: it stays there inert until the program ends. Expected, not news.
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    active.close()
             self.message("watch is off")
         else:
             self.error(f"watch: expected 'on' or 'off', got {arg.strip()!r}")

@@ -1,0 +1,259 @@
+"""Cost of `mldebug.watch()` on a training step, as ratios to the plain step.
+
+    python benchmarks/bench_watch.py [--quick] [--models mlp,cnn,gpt] [--device cpu|cuda]
+
+One process; for each model the variants run interleaved (plain, watch, detect_anomaly,
+naive per-op isfinite), repetition after repetition, and the median step time of each is
+printed as a ratio to plain. A step is zero_grad + forward + backward + optimizer step.
+Models: MLP 784-256-256-10 (batch 64, SGD), ResNet-18-like CNN (batch 16, 3x64x64, SGD
+with momentum), GPT-like transformer (6 layers, d=512, 8 heads, seq 128, batch 8, AdamW).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import mldebug  # noqa: E402
+
+
+# -- models --------------------------------------------------------------------------
+def make_mlp(device):
+    m = nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                      nn.Linear(256, 10)).to(device)
+    x = torch.randn(64, 784, device=device)
+    y = torch.randint(0, 10, (64,), device=device)
+    return m, (lambda: F.cross_entropy(m(x), y)), torch.optim.SGD(m.parameters(), lr=0.01)
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                      nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        identity = x if self.down is None else self.down(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+class ResNet18(nn.Module):
+    def __init__(self, classes=10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64),
+                                  nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1))
+        layers, cin = [], 64
+        for cout, stride in [(64, 1), (128, 2), (256, 2), (512, 2)]:
+            layers += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
+            cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(512, classes)
+
+    def forward(self, x):
+        x = self.layers(self.stem(x))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def make_cnn(device):
+    m = ResNet18().to(device)
+    x = torch.randn(16, 3, 64, 64, device=device)
+    y = torch.randint(0, 10, (16,), device=device)
+    return m, (lambda: F.cross_entropy(m(x), y)), torch.optim.SGD(m.parameters(), lr=0.01,
+                                                                  momentum=0.9)
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab=1000, d=512, heads=8, layers=6, T=128):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(T, d)
+        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True,
+                                           norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(T))
+
+    def forward(self, idx):
+        T = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))
+        x = self.blocks(x, mask=self.mask[:T, :T], is_causal=True)
+        return self.head(self.ln(x))
+
+
+def make_gpt(device):
+    m = GPT().to(device)
+    idx = torch.randint(0, 1000, (8, 128), device=device)
+    y = torch.randint(0, 1000, (8, 128), device=device)
+    return m, (lambda: F.cross_entropy(m(idx).flatten(0, 1), y.flatten())), \
+        torch.optim.AdamW(m.parameters(), lr=1e-4)
+
+
+MODELS = {"mlp": make_mlp, "cnn": make_cnn, "gpt": make_gpt}
+
+
+# -- variants ------------------------------------------------------------------------
+UNINITIALIZED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                 "empty_permuted"}
+
+
+class NaiveIsfinite(TorchDispatchMode):
+    """Reference: check every floating output with isfinite().all() per op (views and
+    uninitialized memory skipped, like the watch)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view or func.overloadpacket.__name__ in UNINITIALIZED:
+            return out
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for t in outs:
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                if not bool(torch.isfinite(t).all()):
+                    raise FloatingPointError(str(func))
+        return out
+
+
+class EmptyMode(TorchDispatchMode):
+    """Floor: a dispatch mode that does nothing (the cost of any Python-level op hook)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls):
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class Plain:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def variants():
+    return {
+        "plain": Plain,
+        "empty_mode": EmptyMode,
+        "watch": lambda: mldebug.watch(action="raise"),
+        "detect_anomaly": lambda: torch.autograd.detect_anomaly(check_nan=True),
+        "naive_isfinite": NaiveIsfinite,
+    }
+
+
+def step(model, loss_fn, opt):
+    opt.zero_grad(set_to_none=True)
+    loss = loss_fn()
+    loss.backward()
+    opt.step()
+
+
+def sync(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def measure(name, device, reps, warmup=2, steps_per_rep=1, only=None):
+    torch.manual_seed(0)
+    model, loss_fn, opt = MODELS[name](device)
+    vs = {k: v for k, v in variants().items() if only is None or k in only}
+    times = {k: [] for k in vs}
+    for k, make in vs.items():
+        for _ in range(warmup):
+            with make():
+                step(model, loss_fn, opt)
+    sync(device)
+    for _ in range(reps):
+        for k, make in vs.items():
+            with make():
+                sync(device)
+                t0 = time.perf_counter()
+                for _ in range(steps_per_rep):
+                    step(model, loss_fn, opt)
+                sync(device)
+                times[k].append((time.perf_counter() - t0) / steps_per_rep)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return med
+
+
+def count_syncs(name, device):
+    """Device syncs in one step, per variant (CUDA only), and the ops of a step."""
+    import warnings
+    torch.manual_seed(0)
+    model, loss_fn, opt = MODELS[name](device)
+    step(model, loss_fn, opt)
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step(model, loss_fn, opt)
+    result = {"ops": Count.n}
+    for k in ("plain", "watch"):
+        with variants()[k]():
+            step(model, loss_fn, opt)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    step(model, loss_fn, opt)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        result[k] = sum("synchroniz" in str(c.message) for c in caught)
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (< ~1 min)")
+    parser.add_argument("--models", default="mlp,cnn,gpt")
+    parser.add_argument("--variants",
+                        default="plain,empty_mode,watch,detect_anomaly,naive_isfinite")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    reps = {"mlp": 200, "cnn": 15, "gpt": 7} if not args.quick else {"mlp": 60, "cnn": 5, "gpt": 3}
+    per = {"mlp": 5, "cnn": 1, "gpt": 1}
+    only = args.variants.split(",")
+    print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, "
+          f"{'quick' if args.quick else 'full'}")
+    header = f"{'model':6} {'plain ms':>9} " + " ".join(f"{k:>15}" for k in only if k != "plain")
+    print(header)
+    for name in args.models.split(","):
+        med = measure(name, args.device, reps[name], steps_per_rep=per[name], only=only)
+        base = med["plain"]
+        cells = " ".join(f"{med[k] / base:>14.2f}x" for k in only if k != "plain")
+        print(f"{name:6} {base * 1e3:>9.2f} {cells}", flush=True)
+    if args.device.startswith("cuda"):
+        for name in args.models.split(","):
+            print(f"{name}: syncs per step {count_syncs(name, args.device)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Break on the first NaN/Inf, in forward, backward and the optimizer step, at the root cause.
+
+    w = mldebug.watch()                 # started; on_violation=None → the session pauses
+    ...                                 # every aten op's floating outputs are checked
+    w.close()                           # off means off: no mode, no hook, zero cost
+
+    with mldebug.watch(action="raise"):  # scripts/tests: NonFiniteError from the op
+        train()
+
+API
+    watch(on_violation=None, break_on=('nan', 'inf'), allow=(), action='break') -> Watch
+    Watch: context manager, close() (idempotent), start(), enabled, suspended(),
+           violations (list of Violation reported)
+    allow(*patterns) -> handle with remove(): fnmatch on op names ('aten.log.default',
+           'log', 'aten.softmax*') or module paths ('encoder.*'); also `allow=` of watch()
+    active_watch() -> the running Watch or None
+
+The stop rule
+    A NaN is always a stop: created by an op from inputs that hold no NaN, or first seen
+    coming in from outside the watched ops (corrupt data, a checkpoint, `torch.from_numpy`)
+    — a rule that only stops on NaN created from finite inputs never stops on bad data.
+    An Inf is a stop only when the op CREATES it from finite inputs AND finite scalar
+    arguments (overflow in exp/matmul, log(0), division by zero, an infinite derivative,
+    fp16 overflow). An Inf written deliberately as a constant (`masked_fill(..., -inf)`,
+    `full`, `fill_`, `torch.where` with an inf scalar, any op with an inf scalar argument)
+    or merely flowing on from an input (scores + (-inf) mask) is not a stop.
+    With 'inf-all' in break_on every Inf is a stop: created, written as a constant or
+    coming in from outside (but, like NaN, not when it merely flows on from an Inf
+    already judged).
+    After a stop, values that merely propagate from an already judged non-finite tensor
+    are not new stops (every non-finite tensor judged is remembered by storage and
+    version counter); a NEW creation (an op whose inputs hold no NaN → NaN, or finite
+    inputs → Inf) always stops. So after `continue` the next stop is the next real root
+    cause, not the 500 ops downstream of the first.
+
+What is checked
+    Every floating output of every aten op: forward (inside and outside modules),
+    backward (the dispatch mode is carried into autograd), the optimizer step (foreach,
+    fused and in-place updates: for an in-place op the written input's state before
+    the op is taken from what the watch judged before — a non-finite value that no op
+    made is seen, and remembered, at the first op that reads it). Not checked: integer,
+    bool and complex outputs, view ops (`OpOverload.is_view`), ops that return
+    uninitialized memory (empty, empty_like, empty_strided, new_empty, resize_).
+    Allowed ops and modules are still checked and remembered (their NaN flowing on is
+    not reported downstream as "from outside"), they just never stop.
+
+Where a stop points
+    Forward/optimizer: `frame` is the innermost user frame (the op is still on the
+    stack); file/line/function its location. Backward: the forward op that built the
+    autograd node (`grad_fn.metadata['mldebug']`, attached at the next op after the
+    forward op returned), while `frame` is the live user frame (the `loss.backward()`
+    line). `torch_op` is derived from the aten name ('aten.log.default' → 'torch.log',
+    'aten.add_.Tensor' → 'Tensor.add_'), not observed at the torch level; in backward it
+    is the forward op's. `stage` is 'backward' when `torch._C._current_autograd_node()`
+    is set, 'optimizer' between the global optimizer step pre/post hooks, otherwise
+    'forward' (also for ops outside any module).
+
+Devices
+    CPU outputs are checked immediately (one `sum` + `.item()` per output; an exact
+    isfinite count only when the sum is not finite). Outputs on other devices (CUDA) are
+    summed on the device without a sync; the sums are read with ONE transfer per window:
+    when the outermost module returns, at the end of backward (autograd final callback),
+    before/after the optimizer step, every WINDOW_MAX ops and at close(). The stop then
+    names the first bad op of the window with its module and user line, but the pause
+    happens at the window boundary (the op's frame may be gone). Backward on CUDA runs
+    on autograd's device thread: a 'break' stop found there is delivered on the thread
+    that started the watch, at its next op or hook; 'raise' raises from backward().
+
+Processes and threads
+    In forked children (DataLoader workers) the watch does nothing; a NaN in a sample
+    then stops at the first main-process op that reads it, as "came in from outside".
+    The module stack follows the thread that started the watch; close() on that thread.
+"""
+from __future__ import annotations
+
+import sys as _sys
+import types as _types
+
+import inspect as _inspect
+
+from . import core as _core
+from .core import WINDOW_MAX, Allowed, Watch, active_watch, allow  # noqa: F401
+
+__all__ = ["watch", "allow", "Watch", "Allowed", "active_watch", "WINDOW_MAX"]
+
+
+class _CallableModule(_types.ModuleType):
+    """`mldebug.watch` is both this package and the function that starts a watch.
+
+    Importing the submodule sets the package attribute `mldebug.watch` to the module,
+    and `mldebug.__init__`'s lazy attribute would set it to whatever `watch` is in
+    here: so `watch` in here IS this (callable) module. `mldebug.watch(...)`,
+    `from mldebug.watch import watch; watch(...)` and `mldebug.watch.active_watch()` all
+    work, in any import order.
+    """
+
+    def __call__(self, on_violation=None, break_on=("nan", "inf"), allow=(), action="break"):
+        return _core.watch(on_violation=on_violation, break_on=break_on, allow=allow,
+                           action=action)
+
+
+_sys.modules[__name__].__class__ = _CallableModule
+__signature__ = _inspect.signature(_core.watch)
+watch = _sys.modules[__name__]

@@ -1,0 +1,521 @@
+"""Engine tests of mldebug.watch: the planted-bug programs in tests/programs/, the stop
+rule, clean-up, and that watching never changes results."""
+from __future__ import annotations
+
+import math
+import os
+import runpy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.modules.module as module_hooks
+import torch.optim.optimizer as optim_hooks
+
+import mldebug
+from mldebug import session as session_mod
+from mldebug.errors import NonFiniteError, UsageError
+from mldebug.watch import Watch, active_watch, allow, watch
+
+PROGRAMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs")
+
+
+def program(name: str) -> str:
+    return os.path.join(PROGRAMS, name)
+
+
+def marked_line(path: str, marker: str = "# here") -> int:
+    with open(path, encoding="utf-8") as fh:
+        for number, text in enumerate(fh, 1):
+            if text.rstrip().endswith(marker):
+                return number
+    raise AssertionError(f"no {marker!r} line in {path}")
+
+
+def line_of(path: str, text: str) -> int:
+    with open(path, encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            if text in line:
+                return number
+    raise AssertionError(f"{text!r} not in {path}")
+
+
+def run_watched(name, **kwargs):
+    """Run a program under a watch; [(violation, line of the live frame at the stop)]."""
+    got = []
+
+    def collect(v):
+        got.append((v, v.frame.f_lineno if v.frame is not None else 0))
+
+    with watch(on_violation=collect, **kwargs):
+        runpy.run_path(program(name), run_name="__main__")
+    return got
+
+
+def hook_state():
+    return (
+        torch._C._len_torch_dispatch_stack(),
+        len(module_hooks._global_forward_pre_hooks),
+        len(module_hooks._global_forward_hooks),
+        len(module_hooks._global_forward_hooks_always_called),
+        len(optim_hooks._global_optimizer_pre_hooks),
+        len(optim_hooks._global_optimizer_post_hooks),
+        active_watch(),
+    )
+
+
+@pytest.fixture(autouse=True)
+def clean_state():
+    before = hook_state()
+    yield
+    assert hook_state() == before
+
+
+# -- the planted bugs ------------------------------------------------------------------
+EXPECTED = {
+    "softmax_log_underflow.py": dict(
+        kind="inf", op="aten.log.default", torch_op="torch.log", module="1",
+        module_type="NaiveLogSoftmax", stage="forward", created=True, culprit="",
+        function="forward"),
+    "corrupt_sample.py": dict(
+        kind="nan", op="aten.addmm.default", module="0", module_type="Linear",
+        stage="forward", created=False, culprit="input 1 (mat1)", function="main"),
+    "backward_inf.py": dict(
+        kind="inf", op="aten.div.Tensor", torch_op="torch.sqrt", node="SqrtBackward0",
+        module="2", module_type="RootFeature", stage="backward", created=True,
+        function="forward"),
+    "optimizer_blowup.py": dict(
+        kind="inf", op="aten.add_.Tensor", torch_op="Tensor.add_", stage="optimizer",
+        param="0.weight", module="0", module_type="Linear", created=True, step=0),
+    "fp16_overflow.py": dict(
+        kind="inf", op="aten.mm.default", module="attn", module_type="Scores",
+        stage="forward", created=True),
+    "fully_masked_row.py": dict(
+        kind="nan", op="aten._softmax.default", module="attn", module_type="Attention",
+        stage="forward", created=True, culprit="input 0 (self)"),
+    "gpt2_nan.py": dict(
+        kind="nan", op="aten.embedding.default", module="transformer.wte",
+        module_type="Embedding", stage="forward", created=False, culprit="input 0 (weight)"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_planted_bug_stops_at_its_line(name):
+    if name == "gpt2_nan.py":
+        pytest.importorskip("transformers")
+    path = program(name)
+    got = run_watched(name)
+    assert got, f"{name}: no stop"
+    v, pause_line = got[0]
+    assert (v.file, v.line) == (path, marked_line(path)), v.headline()
+    for field, value in EXPECTED[name].items():
+        assert getattr(v, field) == value, (field, v.headline())
+    assert v.count > 0 and v.output is not None and v.inputs
+    if name == "backward_inf.py":
+        # reported against the sqrt line, paused in the live frame at loss.backward()
+        assert pause_line == line_of(path, "loss.backward()")
+        assert v.posinf + v.neginf == v.count
+    else:
+        assert v.frame is not None
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_planted_bug_stops_once(name):
+    """After the first stop, what flows on from it is not a new stop."""
+    if name == "gpt2_nan.py":
+        pytest.importorskip("transformers")
+    assert len(run_watched(name)) == 1
+
+
+@pytest.mark.parametrize("name", ["causal_mask_ok.py", "healthy_train.py"])
+def test_healthy_programs_never_stop(name):
+    assert run_watched(name) == []
+
+
+def test_healthy_training_is_bitwise_identical_with_the_watch():
+    path = program("healthy_train.py")
+    plain = runpy.run_path(path)
+    rng_plain = torch.get_rng_state()
+    with watch(action="raise") as w:
+        watched = runpy.run_path(path)
+    rng_watched = torch.get_rng_state()
+    assert w.violations == []
+    assert torch.equal(rng_plain, rng_watched)
+    p_plain = dict(plain["model"].named_parameters())
+    p_watched = dict(watched["model"].named_parameters())
+    assert p_plain.keys() == p_watched.keys()
+    for key in p_plain:
+        assert torch.equal(p_plain[key], p_watched[key]), key
+        assert p_plain[key].requires_grad == p_watched[key].requires_grad
+    for (k1, s1), (k2, s2) in zip(plain["opt"].state.items(), watched["opt"].state.items()):
+        for name in s1:
+            assert torch.equal(torch.as_tensor(s1[name]), torch.as_tensor(s2[name])), name
+    assert plain["model"].training == watched["model"].training
+
+
+# -- raising ---------------------------------------------------------------------------
+def test_raise_reaches_user_code_in_forward_and_cleans_up():
+    with pytest.raises(NonFiniteError) as info:
+        with watch(action="raise"):
+            runpy.run_path(program("softmax_log_underflow.py"))
+    v = info.value.violation
+    assert v.op == "aten.log.default" and v.module == "1"
+    assert isinstance(info.value, FloatingPointError)
+
+
+def test_raise_reaches_user_code_from_backward():
+    with pytest.raises(NonFiniteError) as info:
+        with watch(action="raise"):
+            runpy.run_path(program("backward_inf.py"))
+    assert info.value.violation.node == "SqrtBackward0"
+    assert info.value.violation.stage == "backward"
+
+
+def test_raise_from_optimizer_step_leaves_no_stage_behind():
+    with watch(action="raise") as w:
+        with pytest.raises(NonFiniteError):
+            runpy.run_path(program("optimizer_blowup.py"))
+        assert w._opt_depth == 0 and w._top is None
+        with pytest.raises(NonFiniteError) as info:
+            torch.log(torch.zeros(2))
+        assert info.value.violation.stage == "forward"
+
+
+def test_close_after_the_program_raises_something_else():
+    model = nn.Sequential(nn.Linear(2, 2))
+
+    def boom(module, args):
+        raise KeyError("user bug")
+
+    handle = model[0].register_forward_pre_hook(boom)
+    try:
+        with pytest.raises(KeyError):
+            with watch(action="raise") as w:
+                model(torch.ones(1, 2))
+        assert not w.enabled
+    finally:
+        handle.remove()
+
+
+def test_batch_session_stop_cleans_up():
+    old = session_mod._current
+    session_mod.install(session_mod.Session(batch=True, out=open(os.devnull, "w")))
+    try:
+        with pytest.raises(session_mod.BatchStop):
+            with watch():        # on_violation=None: the session decides
+                nn.Sequential(nn.Identity())(torch.log(torch.zeros(3)))
+        assert session_mod.current().stops[0].op == "aten.log.default"
+    finally:
+        session_mod._current = old
+
+
+# -- the rule --------------------------------------------------------------------------
+def test_propagation_is_not_a_new_stop_but_a_new_creation_is():
+    with watch(on_violation=lambda v: None) as w:
+        a = torch.log(torch.zeros(4))          # -Inf created: stop 1
+        b = a * 2 + 1                          # flows on
+        c = torch.softmax(torch.stack([b, b]), -1)   # NaN made of those Infs: consequence
+        d = c.sum() + torch.ones(1)            # flows on
+        e = torch.exp(torch.full((3,), 100.0))  # new overflow: stop 2
+        f = torch.zeros(2) / torch.zeros(2)     # new NaN: stop 3
+        del b, d, e, f
+    ops = [v.op for v in w.violations]
+    assert ops == ["aten.log.default", "aten.exp.default", "aten.div.Tensor"]
+
+
+def test_constant_infs_are_not_stops_but_inf_all_stops_on_them():
+    def masked():
+        x = torch.randn(3, 3)
+        mask = torch.triu(torch.ones(3, 3, dtype=torch.bool), 1)
+        y = x.masked_fill(mask, float("-inf"))
+        z = torch.full((2,), float("inf"))
+        w2 = torch.where(mask, float("-inf"), x)
+        return torch.softmax(y, -1), z, w2
+
+    with watch(on_violation=lambda v: None) as w:
+        masked()
+    assert w.violations == []
+    with watch(on_violation=lambda v: None, break_on=("nan", "inf-all")) as w:
+        masked()
+    assert w.violations[0].op == "aten.masked_fill.Scalar"
+    assert w.violations[0].created is False
+    assert "value" in w.violations[0].culprit
+
+
+def test_nan_from_outside_stops_once():
+    data = torch.from_numpy(__import__("numpy").array([1.0, float("nan"), 3.0]))
+    with watch(on_violation=lambda v: None) as w:
+        y = data * 2                    # first op that sees it: stop
+        z = data + y                    # the same NaN again: no stop
+        del z
+    assert len(w.violations) == 1
+    v = w.violations[0]
+    assert (v.kind, v.op, v.created, v.culprit) == ("nan", "aten.mul.Tensor", False,
+                                                      "input 0 (self)")
+
+
+def test_inf_from_outside_is_not_a_stop():
+    data = torch.tensor([1.0, float("inf")])
+    with watch(on_violation=lambda v: None) as w:
+        _ = data * 2
+    assert w.violations == []
+
+
+def test_in_place_ops_are_judged_on_their_inputs_before_the_op():
+    with watch(on_violation=lambda v: None) as w:
+        x = torch.ones(3)
+        x.div_(0.0)                       # created in place
+        x.mul_(2.0)                       # flows on in place
+        y = torch.zeros(3)
+        y.log_()                          # a new one, in place
+    assert [(v.op, v.created) for v in w.violations] == [
+        ("aten.div_.Tensor", True), ("aten.log_.default", True)]
+
+
+def test_views_and_uninitialized_memory_are_not_checked():
+    with watch(on_violation=lambda v: None) as w:
+        for _ in range(20):
+            e = torch.empty(1000)
+            e2 = torch.empty_like(e)
+            e3 = e.new_empty(100)
+            v = e[10:20].view(2, 5).t()
+            del e2, e3, v
+    assert w.violations == []
+
+
+def test_integer_outputs_are_not_checked():
+    with watch(on_violation=lambda v: None) as w:
+        _ = torch.arange(10) * 3 + torch.tensor([1]).expand(10)
+    assert w.violations == []
+
+
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode", "autocast_bf16"])
+def test_coverage_under_grad_modes_and_autocast(context):
+    model = nn.Sequential(nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    ctx = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
+           "autocast_bf16": lambda: torch.autocast("cpu", dtype=torch.bfloat16)}[context]
+    with watch(on_violation=lambda v: None) as w:
+        with ctx():
+            y = model(x)
+            z = torch.log(y - y)  # log(0): -Inf created
+    assert len(w.violations) == 1
+    assert w.violations[0].op == "aten.log.default"
+    assert z.dtype == (torch.bfloat16 if context == "autocast_bf16" else torch.float32)
+
+
+def test_allow_exempts_ops_and_modules():
+    with allow("log"):
+        assert run_watched("softmax_log_underflow.py") == []
+    assert run_watched("softmax_log_underflow.py") != []
+    assert run_watched("softmax_log_underflow.py", allow=("aten.log.*",)) == []
+    assert run_watched("fully_masked_row.py", allow=["attn"]) == []
+    assert run_watched("fully_masked_row.py", allow=["a*"]) == []
+    with pytest.raises(UsageError):
+        allow("")
+
+
+def test_allowed_nan_flowing_on_is_not_reported_downstream():
+    with watch(on_violation=lambda v: None, allow=("log",)) as w:
+        a = torch.log(-torch.ones(2))      # NaN, allowed
+        b = a * 3                          # not "from outside"
+        del b
+    assert w.violations == []
+
+
+# -- the handle ------------------------------------------------------------------------
+def test_suspended_and_enabled():
+    w = watch(on_violation=lambda v: None)
+    try:
+        assert w.enabled and active_watch() is w
+        with w.suspended():
+            assert not w.enabled
+            torch.log(torch.zeros(1))
+        assert w.violations == []
+        torch.log(torch.zeros(1))
+        assert len(w.violations) == 1
+    finally:
+        w.close()
+        w.close()                       # idempotent
+    assert not w.enabled and active_watch() is None
+    w.start()                           # on again
+    try:
+        assert w.enabled
+    finally:
+        w.close()
+
+
+def test_one_watch_at_a_time():
+    with watch():
+        with pytest.raises(UsageError):
+            watch()
+
+
+def test_bad_arguments_name_the_value():
+    with pytest.raises(UsageError, match="action='stop'"):
+        Watch(action="stop")
+    with pytest.raises(ValueError, match="bogus"):
+        Watch(break_on=("nan", "bogus"))
+
+
+def test_the_callback_runs_suspended_so_the_prompt_can_evaluate():
+    seen = []
+
+    def prompt(v):
+        seen.append(active_watch().enabled)
+        torch.log(torch.zeros(1))       # a user expression at the prompt: not checked
+
+    with watch(on_violation=prompt) as w:
+        torch.log(torch.zeros(2))
+    assert seen == [False] and len(w.violations) == 1
+
+
+def test_mldebug_watch_is_callable_in_any_import_order():
+    import mldebug.watch as module
+    vars(mldebug).pop("watch", None)   # forget what the lazy attribute cached
+    with mldebug.watch(on_violation=lambda v: None) as w:
+        assert module.active_watch() is w
+    with module(on_violation=lambda v: None) as w:
+        assert mldebug.watch.active_watch() is w
+
+
+def test_torch_compile_region_degrades_gracefully():
+    pytest.importorskip("torch._dynamo")
+    if not hasattr(torch, "compile"):
+        pytest.skip("no torch.compile")
+
+    def f(x):
+        return torch.log(x) * 2
+
+    try:
+        compiled = torch.compile(f, backend="eager")
+        compiled(torch.ones(2))
+    except Exception as exc:  # no compiler here
+        pytest.skip(f"torch.compile unavailable: {exc}")
+    with watch(on_violation=lambda v: None) as w:
+        out = compiled(torch.zeros(2))
+    assert torch.isinf(out).all()
+    assert w.violations and w.violations[0].kind == "inf"
+
+
+def test_sum_overflow_is_not_a_false_stop():
+    big = torch.full((1000,), 3e38)
+    with watch(on_violation=lambda v: None) as w:
+        _ = big * 1.0                    # finite values whose sum overflows
+        h = torch.full((100,), 60000.0, dtype=torch.float16)
+        _ = h + 1                        # fp16 sum would overflow: summed in float32
+    assert w.violations == []
+    assert math.isinf(float(big.sum()))
+
+
+# -- CUDA: device windows (skipped without a GPU) --------------------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+class _LogHead(nn.Module):
+    def forward(self, x):
+        return torch.log(x - x)  # cuda-here
+
+
+@cuda
+def test_cuda_forward_stop_names_the_op_and_pauses_at_the_window():
+    model = nn.Sequential(nn.Linear(4, 4), _LogHead(), nn.Linear(4, 1)).cuda()
+    got = []
+    with watch(on_violation=lambda v: got.append((v, v.frame.f_lineno if v.frame else 0))):
+        y = model(torch.randn(2, 4, device="cuda"))  # cuda-call
+    v, pause_line = got[0]
+    here = os.path.abspath(__file__)
+    assert (v.op, v.module, v.module_type, v.stage, v.created) == (
+        "aten.log.default", "1", "_LogHead", "forward", True)
+    assert (v.file, v.line) == (here, marked_line(here, "# cuda-here"))
+    assert pause_line == marked_line(here, "# cuda-call")   # the window boundary
+    assert len(got) == 1 and y.isnan().any()
+
+
+class _Root(nn.Module):
+    def forward(self, x):
+        return torch.sqrt(x)  # cuda-sqrt
+
+
+@cuda
+@pytest.mark.parametrize("action", ["break", "raise"])
+def test_cuda_backward_stop_is_delivered_on_the_user_thread(action):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), _Root(), nn.Linear(6, 1)).cuda()
+    x = torch.randn(8, 4, device="cuda")
+    got = []
+    here = os.path.abspath(__file__)
+    with watch(on_violation=got.append, action=action) as w:
+        loss = model(x).pow(2).mean()
+        if action == "raise":
+            with pytest.raises(NonFiniteError) as info:
+                loss.backward()
+            got.append(info.value.violation)
+        else:
+            loss.backward()
+            torch.zeros(1, device="cuda") + 1     # the next op on this thread delivers
+    v = got[0]
+    assert (v.stage, v.node, v.module, v.line) == (
+        "backward", "SqrtBackward0", "2", marked_line(here, "# cuda-sqrt"))
+    assert len(w.violations) == 1
+
+
+@cuda
+def test_cuda_optimizer_foreach_names_the_parameter():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=1e36, foreach=True)
+    x = torch.randn(16, 4, device="cuda")
+    with watch(on_violation=lambda v: None) as w:
+        (model(x) - 1000).pow(2).sum().backward()
+        opt.step()
+    v = w.violations[0]
+    assert (v.stage, v.param, v.kind, v.created) == ("optimizer", "0.weight", "inf", True)
+    assert v.op.startswith("aten._foreach_add")
+
+
+@cuda
+def test_cuda_healthy_step_does_not_sync_per_op():
+    import warnings
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.LayerNorm(64))
+                            for _ in range(8)]).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(32, 64, device="cuda")
+
+    def step():
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+    step()
+    with watch(on_violation=lambda v: None) as w:
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [c for c in caught if "synchroniz" in str(c.message)]
+    assert w.violations == []
+    # windows: the outermost module, backward's end, before and after the step
+    assert len(syncs) <= 6, [str(c.message) for c in syncs]
+
+
+def test_foreach_optimizer_on_cpu_names_the_parameter():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e36, foreach=True)
+    x = torch.randn(16, 4)
+    with watch(on_violation=lambda v: None) as w:
+        (model(x) - 1000).pow(2).sum().backward()
+        opt.step()  # foreach-step
+    assert len(w.violations) == 1
+    v = w.violations[0]
+    here = os.path.abspath(__file__)
+    assert (v.stage, v.param, v.kind, v.created, v.op) == (
+        "optimizer", "0.weight", "inf", True, "aten._foreach_add_.List")
+    assert v.line == marked_line(here, "# foreach-step")
