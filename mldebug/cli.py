@@ -84,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "(repeatable), e.g. --allow 'aten.log*' --allow 'encoder.*'")
     parser.add_argument("--plain", action="store_true",
                         help="plain pdb prompt even on a terminal (no IPython colours)")
+    # -- DAP front end (mldebug/dap): debugpy instead of the pdb prompt --
+    parser.add_argument("--listen", metavar="[HOST:]PORT",
+                        help="run under debugpy, listening for a DAP client (VS Code: "
+                             "'Python Debugger: Attach') on HOST:PORT (default host "
+                             "127.0.0.1); stops then show in the client. Example: --listen 5678")
+    parser.add_argument("--wait-for-client", action="store_true",
+                        help="with --listen: wait until a client attaches before running")
     parser.add_argument("--version", action="version", version=f"mldebug {__version__}")
     parser.add_argument("target", nargs="?", metavar="script.py",
                         help="the program to run")
@@ -92,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_VALUE_OPTIONS = {"-m", "-c", "--command", "--report", "--break-on", "--watch", "--allow"}
+_VALUE_OPTIONS = {"-m", "-c", "--command", "--report", "--break-on", "--watch", "--allow",
+                  "--listen"}
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -207,12 +215,19 @@ def _innermost_user_frame(tb):
 def _start_watch(session: _session.Session, args):
     if args.watch != "on" or not (session.break_on & {"nan", "inf"}):
         return None
-    try:  # TEMP until watch lands
-        from . import watch as _watch
-    except ImportError:
-        return None
+    from . import watch as _watch
+
     return _watch.watch(on_violation=session.on_violation, break_on=session.break_on,
                         allow=tuple(args.allow))
+
+
+def _close_watches(started) -> None:
+    """Close the watch the CLI started and any the user started at the prompt."""
+    from .watch import active_watch
+
+    for watch in (started, active_watch()):
+        if watch is not None:
+            watch.close()
 
 
 def run(args) -> int:
@@ -240,22 +255,34 @@ def run(args) -> int:
         except OSError as exc:
             print(f"mldebug: error: --report {args.report!r}: {exc.strerror}", file=sys.stderr)
             return EXIT_USAGE
+    # DAP mode (mldebug/dap): under debugpy (--listen, or launched by a DAP client) stops
+    # go to the client; no pdb prompt, breakpoint() and uncaught exceptions stay debugpy's.
+    from . import dap as _dap
+    try:
+        dap_mode = _dap.setup(args, session)
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"mldebug: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     from . import debugger as _debugger
 
     debugger = None
-    if not args.batch:
+    if dap_mode:
+        pass  # no pdb: the DAP client is the user interface
+    elif not args.batch:
         debugger = _debugger.get_debugger(session, plain=True if args.plain else None)
         debugger.rcLines.extend(args.commands)
+        debugger.program_code = program.code
     elif args.commands:
         print("mldebug: note: -c commands are ignored with --batch (it never prompts)",
               file=sys.stderr)
 
     globals_ = program.install()
     saved_hook = sys.breakpointhook
-    sys.breakpointhook = _debugger.set_trace
+    if not dap_mode:  # DAP mode: debugpy's own breakpoint() hook stays
+        sys.breakpointhook = _debugger.set_trace
     watch = _start_watch(session, args)
     try:
-        if args.stop_at_start:
+        if args.stop_at_start and debugger is not None:
             debugger.mainpyfile = debugger.canonic(program.filename)
             debugger._wait_for_mainpyfile = True
             debugger.run(program.code, globals_)
@@ -271,10 +298,11 @@ def run(args) -> int:
     except BaseException as exc:  # noqa: BLE001 - the user's program raised
         if session.batch_stopped:
             return EXIT_BATCH_STOP
+        if dap_mode:  # debugpy reports it, as in any debugpy session
+            raise
         return _post_mortem(exc, session, debugger)
     finally:
-        if watch is not None:
-            watch.close()
+        _close_watches(watch)
         sys.breakpointhook = saved_hook
 
 
