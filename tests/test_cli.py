@@ -250,3 +250,32 @@ def test_help_inspect_prints_its_syntax(write_program):
     result = run_cli([str(prog)], stdin="help inspect\nhelp why\nc\n")
     assert "inspect EXPR" in result.stdout
     assert "why" in result.stdout
+
+
+def test_console_script_is_the_same_cli(write_program):
+    import shutil
+
+    exe = shutil.which("mldebug")
+    if exe is None:
+        pytest.skip("the mldebug console script is not installed (run scripts/setup.sh)")
+    prog = write_program("import sys; print('hello from', sys.argv[1:]); sys.exit(5)\n")
+    result = subprocess.run([exe, str(prog), "x"], capture_output=True, text=True,
+                            env=clean_env())
+    assert result.returncode == 5
+    assert result.stdout == "hello from ['x']\n"
+
+
+def test_inspect_module_and_container_at_the_prompt(write_program):
+    prog = write_program("""
+        import torch
+        from torch import nn
+        net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+        batch = {"x": torch.zeros(2, 3), "y": torch.tensor([1, 0])}
+        breakpoint()
+    """)
+    result = run_cli([str(prog)], stdin="inspect net\ninspect batch\nc\n")
+    out = result.stdout
+    assert "Sequential (training): 4 parameter tensors, 21 elements" in out
+    assert "0.weight  [4, 3]" in out
+    assert "x: tensor[2, 3] f32" in out
+    assert "y: tensor[2] i64" in out
