@@ -396,6 +396,8 @@ def _row(p, check_on_host: bool):
         zero = torch.zeros((), dtype=torch.float64)
         return torch.stack([v.to(zero) for v in (zero + n, p.sum(), p.dot(p), lo, hi,
                             n - torch.count_nonzero(p), zero, zero, zero, zero - 1)])
+    if check_on_host and p.device.type == "cpu":
+        return _row_numpy(p)
     # Exact path with nan_to_num and arithmetic only: on CPU isfinite/where and anything with a
     # bool output are several times slower. x - x == 0 for every finite x, so each difference
     # below is an exact 0/1 indicator.
@@ -410,6 +412,30 @@ def _row(p, check_on_host: bool):
     zeros = n - nbad - torch.count_nonzero(z)
     return torch.stack([v.to(torch.float64) for v in (
         n - nbad, z.sum(), z.dot(z), lo, hi, zeros, nan, posinf, nbad - nan - posinf, first)])
+
+
+def _row_numpy(p):
+    """The exact path of a CPU piece through numpy (zero-copy view): numpy's isnan/isfinite
+    and count_nonzero are SIMD loops, ~30x faster here than torch's bool-producing CPU ops,
+    so a tensor full of scattered NaNs costs a few light passes instead of a dozen."""
+    a = p.numpy()
+    n = a.size
+    finite = np.isfinite(a)
+    n_finite = int(np.count_nonzero(finite))
+    nan = int(np.count_nonzero(np.isnan(a)))
+    posinf = int(np.count_nonzero(np.isposinf(a)))
+    neginf = n - n_finite - nan - posinf
+    first = int(np.argmin(finite)) if n_finite < n else -1
+    vals = a[finite] if n_finite < n else a
+    if n_finite:
+        lo, hi = float(vals.min()), float(vals.max())
+        total = float(vals.sum(dtype=np.float64))
+        sq = float(np.dot(vals, vals))  # BLAS dot, in the piece's own precision like _fast
+        zeros = n_finite - int(np.count_nonzero(vals))
+    else:
+        lo, hi, total, sq, zeros = math.inf, -math.inf, 0.0, 0.0, 0
+    return torch.tensor([n_finite, total, sq, lo, hi, zeros, nan, posinf, neginf, first],
+                        dtype=torch.float64)
 
 
 def _centred(p, mean):
