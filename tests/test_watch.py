@@ -519,3 +519,91 @@ def test_foreach_optimizer_on_cpu_names_the_parameter():
     assert (v.stage, v.param, v.kind, v.created, v.op) == (
         "optimizer", "0.weight", "inf", True, "aten._foreach_add_.List")
     assert v.line == marked_line(here, "# foreach-step")
+
+
+# -- ops that cannot make a NaN/Inf are not checked while nothing was judged -----------
+def test_nan_from_outside_through_unchecked_ops_stops_at_the_first_checked_op():
+    data = torch.from_numpy(__import__("numpy").array([[1.0, float("nan"), -3.0, 4.0]],
+                                                      dtype="float32"))
+    lin = nn.Linear(8, 2)
+    with watch(on_violation=lambda v: None) as w:
+        h = torch.relu(data)                     # not checked: relu makes no NaN
+        h = torch.cat([h, h.clone()], dim=1)     # not checked: copies
+        out = lin(h)                             # checked: the NaN came in from outside
+        del out
+    assert len(w.violations) == 1
+    v = w.violations[0]
+    assert (v.kind, v.op, v.created, v.stage) == ("nan", "aten.addmm.default", False,
+                                                    "forward")
+    assert v.culprit.startswith("input 1")
+
+
+def test_constants_and_casts_that_make_nan_or_inf_are_still_checked():
+    with watch(on_violation=lambda v: None) as w:
+        a = torch.zeros(3).fill_(float("nan"))           # NaN written as a constant
+    assert [v.op for v in w.violations] == ["aten.fill_.Scalar"]
+    with watch(on_violation=lambda v: None) as w:
+        b = torch.full((2,), 1e5).half()                # float16 downcast overflows
+        c = torch.full((2,), 3.0).half().float()        # upcast: fine
+        d = torch.zeros(2, dtype=torch.float16).copy_(torch.full((2,), 1e5))
+    assert [(v.op, v.kind, v.created) for v in w.violations] == [
+        ("aten._to_copy.default", "inf", True), ("aten.copy_.default", "inf", True)]
+    del a, b, c, d
+
+
+def test_unchecked_ops_are_checked_again_once_something_was_judged():
+    with watch(on_violation=lambda v: None) as w:
+        a = torch.log(torch.zeros(4))            # -Inf created: stop, remembered
+        b = torch.stack([a, a])                  # checked now: the -Inf flows on
+        c = torch.softmax(b, -1)                 # NaN made of those Infs: consequence
+        del c
+    assert [v.op for v in w.violations] == ["aten.log.default"]
+
+
+def test_backward_provenance_survives_unchecked_in_place_ops():
+    class Block(nn.Module):
+        def forward(self, x):
+            y = torch.sqrt(x)                    # grad of sqrt(0): Inf in backward
+            return torch.relu_(y * 1.0)          # in place, not checked
+
+    x = torch.zeros(3, requires_grad=True)
+    with pytest.raises(NonFiniteError) as info:
+        with watch(action="raise"):
+            Block()(x).sum().backward()
+    v = info.value.violation
+    assert v.stage == "backward" and v.node == "SqrtBackward0"
+    assert v.torch_op == "torch.sqrt" and v.function == "forward"
+
+
+def test_scalar_updates_that_can_overflow_are_still_checked():
+    big = torch.full((3,), 3e38)
+    with watch(on_violation=lambda v: None) as w:
+        a = big * 0.5                    # |s| <= 1: cannot overflow, not checked
+        b = big / 4.0                    # |s| >= 1: not checked
+        c = big.clone().add_(1e-8)       # |s| <= 1: rounds back, not checked
+        d = big * 2.0                    # overflows: checked, a stop
+    assert [(v.op, v.kind, v.created) for v in w.violations] == [
+        ("aten.mul.Tensor", "inf", True)]
+    assert torch.isfinite(a).all() and torch.isfinite(b).all() and torch.isfinite(c).all()
+    del d
+    with watch(on_violation=lambda v: None) as w:
+        e = torch.ones(2).div_(0.5)      # |s| < 1: checked (finite here)
+        f = torch.ones(2) * 0.0          # times 0: checked (inf * 0 is NaN)
+        g = big.clone().add_(1.0, alpha=1e38)     # large alpha: checked, overflows
+    assert [(v.op, v.kind, v.created) for v in w.violations] == [
+        ("aten.add_.Tensor", "inf", True)]
+    del e, f, g
+
+
+def test_unchecked_upcast_keeps_its_line_for_a_backward_overflow():
+    x = torch.ones(2, dtype=torch.float16, requires_grad=True)
+    with pytest.raises(NonFiniteError) as info:
+        with watch(action="raise"):
+            y = x.float()                        # upcast: not checked, provenance kept
+            (y * 1e5).sum().backward()           # grad 1e5 cast back to float16: Inf
+    v = info.value.violation
+    assert (v.stage, v.op, v.kind, v.created) == ("backward", "aten._to_copy.default",
+                                                  "inf", True)
+    assert v.node == "ToCopyBackward0"
+    assert (v.file, v.line) == (os.path.abspath(__file__),
+                                line_of(__file__, "y = x.float()  "))

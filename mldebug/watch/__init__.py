@@ -41,6 +41,13 @@ What is checked
     made is seen, and remembered, at the first op that reads it). Not checked: integer,
     bool and complex outputs, view ops (`OpOverload.is_view`), ops that return
     uninitialized memory (empty, empty_like, empty_strided, new_empty, resize_).
+    Not checked while no non-finite value has been judged yet (`ops.SAFE_*`): ops that
+    cannot make a NaN or an Inf from finite inputs nor a NaN from Infs — copies and
+    selections (clone, cat, relu, threshold_backward, max-pool, sort, ...), constants and
+    clamps with finite scalars, widening casts, `x * s` with 0 < |s| <= 1, `x / s` with
+    |s| >= 1, `x + s` with |s| <= 1 (an optimizer's `mul_(beta2)`, `add_(eps)`). A
+    NaN/Inf passing through them is judged at the next checked op that reads it (as
+    coming in from outside); once anything was judged they are checked like any op.
     Allowed ops and modules are still checked and remembered (their NaN flowing on is
     not reported downstream as "from outside"), they just never stop.
 

@@ -3,9 +3,11 @@ global module and optimizer hooks that say where an op runs.
 
 Hot path (per op, see `_Mode.__torch_dispatch__`): one dict lookup for the cached
 `OpInfo`, the op, then for each floating CPU output one reduction (`sum`) and one
-`.item()`; `math.isfinite` on the float. NaN and Inf propagate through a sum, so a finite
-sum means a finite tensor; a non-finite sum (or a sum that merely overflowed) goes to the
-slow path, which counts exactly and applies the stop rule. Outputs on other devices
+`.item()`; `math.isfinite` on the float. Ops that cannot make a NaN/Inf (`OpInfo.safe`,
+see ops.py) skip the reduction while nothing non-finite has been judged. NaN and Inf
+propagate through a sum, so a finite sum means a finite tensor; a non-finite sum (or a
+sum that merely overflowed) goes to the slow path, which counts exactly and applies the
+stop rule. Outputs on other devices
 (CUDA) are summed on the device without a sync and read once per window.
 """
 from __future__ import annotations
@@ -38,6 +40,11 @@ _grad_enabled = torch.is_grad_enabled
 _get_ident = threading.get_ident
 _getframe = sys._getframe
 _USER = _frames._is_user_cache     # file name -> is user code (filled by is_user_file)
+_USER_CODE: dict = {}              # code object -> is user code (the hot path's cache)
+# floating dtype -> dtype to sum in (None: its own; float32 for the low-precision ones,
+# whose sum would overflow); missing: not checked (integer, bool, complex)
+_SUM_DTYPE = {d: (_F32 if d.itemsize < 4 else None) for d in vars(torch).values()
+              if isinstance(d, torch.dtype) and d.is_floating_point}
 _is_user_file = _frames.is_user_file
 
 WINDOW_MAX = 1024          # device window: read the flags at least every this many ops
@@ -150,26 +157,44 @@ class _Mode(TorchDispatchMode):
         if w._stash:
             w._deliver_stash()
         op = info.op
+        safe = info.safe
+        if safe and (w._taint or w._win or (safe == 2 and not info.guard(args, kwargs))):
+            safe = 0
         out = op(*args, **kwargs) if kwargs else op(*args)
+        if safe and (not info.promote or not isinstance(out, Tensor)
+                     or out.dtype not in _LOW):
+            # cannot make a NaN/Inf from finite inputs, and nothing non-finite was
+            # judged yet: no check (see ops.SAFE_ALWAYS)
+            if info.prov and _grad_enabled():
+                w._pending.append((out, w._provenance(info)))
+            return out
         if isinstance(out, Tensor):
-            if out.is_floating_point():
-                if out.is_cpu:
-                    s = out.sum(dtype=_F32) if out.dtype in _LOW else out.sum()
-                    if not _isfinite(s.item()):
-                        w._slow(func, info, args, kwargs, (out,), None)
-                else:
-                    w._window_add(func, info, args, kwargs, (out,))
-                if _grad_enabled():
-                    # provenance for backward: the user line of this forward op
-                    f = _caller(1)
-                    while f is not None and not _USER.get(f.f_code.co_filename, False):
-                        if f.f_code.co_filename not in _USER:
-                            _is_user_file(f.f_code.co_filename)
-                            continue
-                        f = f.f_back
-                    w._pending.append((out, (w._top, f.f_code.co_filename, f.f_lineno,
-                                             f.f_code.co_name, info.torch_op)
-                                       if f is not None else (w._top, "", 0, "", info.torch_op)))
+            sum_dtype = _SUM_DTYPE.get(out.dtype, 0)
+            if sum_dtype == 0:
+                return out                # integer, bool, complex: not checked
+            if out.is_cpu:
+                s = out.sum() if sum_dtype is None else out.sum(dtype=sum_dtype)
+                if not _isfinite(s.item()):
+                    w._slow(func, info, args, kwargs, (out,), None)
+            else:
+                w._window_add(func, info, args, kwargs, (out,))
+            if _grad_enabled():
+                # provenance for backward: the user line of this forward op
+                try:
+                    f = _getframe(1)
+                except ValueError:   # autograd device thread: no Python caller
+                    f = None
+                while f is not None:
+                    code = f.f_code
+                    user = _USER_CODE.get(code)
+                    if user is None:
+                        user = _USER_CODE[code] = _is_user_file(code.co_filename)
+                    if user:
+                        w._pending.append((out, (w._top, code.co_filename, f.f_lineno,
+                                                 code.co_name, info.torch_op)))
+                        return out
+                    f = f.f_back
+                w._pending.append((out, (w._top, "", 0, "", info.torch_op)))
         elif out is None:
             if info.mutated:
                 w._check_many(func, info, args, kwargs, w._mutated(info, args, kwargs))
@@ -394,7 +419,7 @@ class Watch:
                     meta = node.metadata
                     if METADATA_KEY not in meta:
                         meta[METADATA_KEY] = prov
-            else:
+            elif out is not None:
                 for t in out:
                     node = t.grad_fn if isinstance(t, Tensor) else None
                     if node is not None:
@@ -416,16 +441,20 @@ class Watch:
 
     def _check_many(self, func, info, args, kwargs, outs):
         """Check a tuple/list of outputs (may hold lists: foreach ops)."""
-        flat = []
+        cpu = []
+        device = []
         for item in outs:
             if isinstance(item, Tensor):
-                flat.append(item)
+                items = (item,)
             elif isinstance(item, (list, tuple)):
-                flat.extend(t for t in item if isinstance(t, Tensor))
-        cpu = [t for t in flat if t.is_floating_point() and t.is_cpu]
-        if len(cpu) < len([t for t in flat if t.is_floating_point()]):
-            self._window_add(func, info, args, kwargs, tuple(outs), [
-                t for t in flat if t.is_floating_point() and not t.is_cpu])
+                items = item
+            else:
+                continue
+            for t in items:
+                if isinstance(t, Tensor) and _SUM_DTYPE.get(t.dtype, 0) != 0:
+                    (cpu if t.is_cpu else device).append(t)
+        if device:
+            self._window_add(func, info, args, kwargs, tuple(outs), device)
         if not cpu:
             return
         if len(cpu) > 4:
@@ -436,7 +465,8 @@ class Watch:
             except Exception:
                 pass
         for t in cpu:
-            s = t.sum(dtype=_F32) if t.dtype in _LOW else t.sum()
+            sum_dtype = _SUM_DTYPE[t.dtype]
+            s = t.sum() if sum_dtype is None else t.sum(dtype=sum_dtype)
             if not _isfinite(s.item()):
                 self._slow(func, info, args, kwargs, outs, None)
                 return

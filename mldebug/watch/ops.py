@@ -6,6 +6,7 @@ here is evaluated per call.
 from __future__ import annotations
 
 import fnmatch
+import math
 
 import torch
 
@@ -18,12 +19,151 @@ UNINITIALIZED = frozenset({
 })
 SKIPPED_NAMESPACES = frozenset({"profiler"})
 
+# Ops that cannot make a NaN or an Inf from finite inputs, nor a NaN from Infs: their
+# outputs are copies, selections or constants of their inputs (relu, max-pool, clone,
+# cat, ...). While no non-finite value has been judged yet (`Watch._taint` empty) their
+# outputs need no check: a NaN/Inf that merely passes through them is caught at the next
+# checked op that reads it, as "came in from outside" — what it is. Once something was
+# judged they are checked again, so that what flows on keeps its lineage.
+# Not here on purpose: embedding/index/gather (a NaN from outside is best reported where
+# it is looked up, naming the weight), native_dropout (x * 1/(1-p) can overflow), ops
+# that sum (max-pool backward, scatter_add, index_put, embedding backward), softmax
+# (finite → finite, but -inf → NaN must be judged where it happens).
+SAFE_ALWAYS = frozenset({
+    # copies and aliases
+    "clone", "_unsafe_view", "alias", "detach_copy", "flip", "roll",
+    "repeat", "select_backward", "slice_backward", "diagonal_backward",
+    "triu", "tril", "triu_", "tril_",
+    # selections
+    "relu", "relu_", "threshold_backward", "max_pool1d", "max_pool2d", "max_pool3d",
+    "max_pool2d_with_indices", "max_pool3d_with_indices", "adaptive_max_pool2d",
+    "adaptive_max_pool3d", "amax", "amin", "sort", "topk", "kthvalue", "median",
+    "nanmedian", "msort", "cummax", "cummin",
+    # sign changes
+    "neg", "neg_", "abs", "abs_", "sign", "sign_", "sgn", "sgn_",
+    # constants 0/1
+    "zero_", "zeros", "zeros_like", "ones", "ones_like", "new_zeros", "new_ones",
+})
+# Several float inputs, type promotion: safe unless the output is a low-precision
+# float (an int64 input promoted to float16 can overflow): checked then.
+SAFE_PROMOTING = frozenset({
+    "cat", "stack", "maximum", "minimum", "fmax", "fmin", "max", "min",
+})
+SAFE_OVERLOADS_PROMOTING = frozenset({"aten.clamp.Tensor", "aten.where.self"})
+# Safe while every scalar argument is finite (and |s| < 1e38: fits float32), and the
+# output is not a low-precision float (1e5 into float16 is an Inf). A NaN or Inf
+# written as a constant (fill_(nan), full(inf), masked_fill(-inf)) is always checked.
+SAFE_SCALARS = frozenset({
+    "clamp", "clamp_", "clamp_min", "clamp_min_", "clamp_max", "clamp_max_",
+    "hardtanh", "hardtanh_", "hardtanh_backward", "threshold", "threshold_",
+    "fill", "fill_", "full", "full_like", "new_full", "scalar_tensor", "masked_fill",
+    "masked_fill_", "where", "constant_pad_nd",
+})
+SCALAR_OVERLOADS_EXCLUDED = frozenset({
+    "aten.masked_fill.Tensor", "aten.masked_fill_.Tensor", "aten.fill.Tensor",
+    "aten.fill_.Tensor", "aten.where.default", "aten.clamp.Tensor", "aten.clamp_.Tensor",
+    "aten.clamp_min.Tensor", "aten.clamp_min_.Tensor", "aten.clamp_max.Tensor",
+    "aten.clamp_max_.Tensor",
+})
+# Dtype conversions that cannot overflow: (source, destination) with destination
+# floating. Same dtype is always safe; float16/bfloat16/float8 DOWNcasts are not.
+_F8 = tuple(d for d in (getattr(torch, n, None) for n in (
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")) if d is not None)
+SAFE_CASTS = frozenset(
+    [(s, d) for s in (torch.bool, torch.uint8, torch.int8, torch.int16)
+     for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)]
+    + [(s, d) for s in (torch.int32, torch.int64) + tuple(
+        d for d in (getattr(torch, n, None) for n in ("uint16", "uint32", "uint64"))
+        if d is not None)
+       for d in (torch.bfloat16, torch.float32, torch.float64)]
+    + [(s, d) for s in _F8 for d in (torch.float16, torch.bfloat16, torch.float32,
+                                     torch.float64)]
+    + [(torch.float16, torch.bfloat16), (torch.float16, torch.float32),
+       (torch.float16, torch.float64), (torch.bfloat16, torch.float32),
+       (torch.bfloat16, torch.float64), (torch.float32, torch.float64)])
+_isfinite_number = math.isfinite
+
+
+def finite_scalars(args, kwargs) -> bool:
+    """Every float/int argument finite and within ±1e38 (fits float32)."""
+    for a in args:
+        c = a.__class__
+        if (c is float or c is int) and not -1e38 < a < 1e38:
+            return False
+    if kwargs:
+        for a in kwargs.values():
+            c = a.__class__
+            if (c is float or c is int) and not -1e38 < a < 1e38:
+                return False
+    return True
+
+
+def _number(x) -> bool:
+    c = x.__class__
+    return c is float or c is int
+
+
+def mul_by_small(args, kwargs) -> bool:
+    """x * s with 0 < |s| <= 1: |x * s| <= |x| (no overflow; never 0 * inf)."""
+    return (len(args) == 2 and not kwargs and _number(args[1])
+            and 0 < abs(args[1]) <= 1)
+
+
+def div_by_large(args, kwargs) -> bool:
+    """x / s with 1 <= |s| < inf: |x / s| <= |x|."""
+    return (len(args) == 2 and not kwargs and _number(args[1])
+            and 1 <= abs(args[1]) < math.inf)
+
+
+def add_small(args, kwargs) -> bool:
+    """x + alpha * s with |alpha * s| <= 1: rounds back to at most the largest finite
+    value of any float dtype (the gap below it is far wider than 1)."""
+    if len(args) != 2 or not _number(args[1]) or not abs(args[1]) <= 1:
+        return False
+    if kwargs:
+        alpha = kwargs.get("alpha", 1)
+        if len(kwargs) > 1 or not _number(alpha) or not abs(alpha) <= 1:
+            return False
+    return True
+
+
+# op name -> guard: safe only with a bounded Python scalar as the second argument (the
+# optimizers' `exp_avg_sq.mul_(beta2)`, `param.mul_(1 - lr * wd)`, `denom.add_(eps)`,
+# attention's `q * scale`, a mean's backward `grad / n`)
+SAFE_BOUNDED = {}
+for _op in ("mul", "mul_"):
+    for _ov in ("Tensor", "Scalar"):
+        SAFE_BOUNDED[f"aten.{_op}.{_ov}"] = mul_by_small
+for _op in ("div", "div_"):
+    for _ov in ("Tensor", "Scalar"):
+        SAFE_BOUNDED[f"aten.{_op}.{_ov}"] = div_by_large
+for _op in ("add", "add_", "sub", "sub_"):
+    for _ov in ("Tensor", "Scalar"):
+        SAFE_BOUNDED[f"aten.{_op}.{_ov}"] = add_small
+
+
+def widening_to_copy(args, kwargs) -> bool:
+    """_to_copy to the same or a wider floating dtype (a cast that cannot overflow)."""
+    dtype = kwargs.get("dtype") if kwargs else None
+    if dtype is None:
+        return True
+    src = args[0].dtype if args and isinstance(args[0], torch.Tensor) else None
+    return src is dtype or (src, dtype) in SAFE_CASTS
+
+
+def widening_copy_(args, kwargs) -> bool:
+    """copy_(self, src): src's dtype the same as self's or narrower."""
+    if len(args) < 2 or not isinstance(args[1], torch.Tensor):
+        return False
+    src, dst = args[1].dtype, args[0].dtype
+    return src is dst or (src, dst) in SAFE_CASTS
+
 
 class OpInfo:
     """What the watch needs to know about one overload."""
 
     __slots__ = ("name", "short", "skip", "mutated", "argnames", "kwnames", "torch_op",
-                 "op", "func")
+                 "op", "func", "safe", "guard", "promote", "prov")
 
     def __init__(self, func):
         self.name = str(func)                         # 'aten.log.default'
@@ -52,6 +192,38 @@ class OpInfo:
             or (not returns_tensor and not self.mutated)
         )
         self.torch_op = torch_name(self.short)
+        self._classify()
+
+    def _classify(self):
+        """Whether the output needs no check while nothing non-finite was judged.
+
+        safe: 0 check, 1 no check, 2 no check when `guard(args, kwargs)` holds;
+        promote: checked anyway when the (single Tensor) output is a low-precision float;
+        prov: still record the backward provenance (its backward op can overflow)."""
+        self.safe, self.guard, self.promote, self.prov = 0, None, False, False
+        if self.skip:
+            return
+        short, name = self.short, self.name
+        if not name.startswith("aten."):
+            return
+        in_place = short.endswith("_") and not short.endswith("__")
+        if self.mutated and not in_place:
+            return       # .out overloads: the out tensor's dtype may be narrower
+        if short in SAFE_ALWAYS:
+            self.safe = 1
+            self.prov = short.startswith(("max_pool", "adaptive_max_pool"))
+        elif name in SAFE_OVERLOADS_PROMOTING or (short in SAFE_PROMOTING and
+                                                  name not in SCALAR_OVERLOADS_EXCLUDED):
+            self.safe, self.promote = 1, True
+        elif short in SAFE_SCALARS and name not in SCALAR_OVERLOADS_EXCLUDED:
+            self.safe, self.guard, self.promote = 2, finite_scalars, True
+        elif name in SAFE_BOUNDED:
+            # promote: an int64 tensor times 0.5 in a float16 default dtype can overflow
+            self.safe, self.guard, self.promote = 2, SAFE_BOUNDED[name], True
+        elif name == "aten._to_copy.default":
+            self.safe, self.guard, self.prov = 2, widening_to_copy, True
+        elif name in ("aten.copy_.default", "aten.copy.default"):
+            self.safe, self.guard, self.prov = 2, widening_copy_, True
 
 
 def matches(patterns, names) -> bool:
