@@ -25,6 +25,12 @@ _LAZY = {
     "allow": ("watch", "allow"),
     "Stop": ("session", "Stop"),
     "Violation": ("session", "Violation"),
+    "trace": ("graph", "trace"),
+    "scan": ("graph", "scan"),
+    "Graph": ("graph", "Graph"),
+    "register_assertion": ("assertions", "register_assertion"),
+    "deregister_assertion": ("assertions", "deregister_assertion"),
+    "assertions": ("assertions", "assertions"),
 }
 
 

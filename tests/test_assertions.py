@@ -1,0 +1,324 @@
+"""The assertions library: each library assertion trips on its program and stays quiet on
+healthy ones; custom assertions of every kind; the CLI stops with reason 'assertion'."""
+from __future__ import annotations
+
+import runpy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import mldebug
+from mldebug.assertions import registry as _registry
+from mldebug.assertions.runner import Runner, active_runner
+
+from conftest import REPO, marker_line, read_report, run_cli
+
+PROGRAMS = REPO / "tests" / "programs_assert"
+EXAMPLES = REPO / "examples"
+
+# library assertion -> (program, stage of the Stop)
+TRIPS = {
+    "grad_not_zeroed": ("grad_not_zeroed.py", "optimizer"),
+    "loss_not_scalar": ("loss_not_scalar.py", "backward"),
+    "loss_requires_no_grad": ("loss_requires_no_grad.py", "backward"),
+    "exploding_gradients": ("exploding_gradients.py", "backward"),
+    "param_no_grad": ("param_no_grad.py", "optimizer"),
+    "dead_relu": ("dead_relu.py", "forward"),
+    "vanishing_gradients": ("vanishing_gradients.py", "backward"),
+    "param_not_updated": ("param_not_updated.py", "optimizer"),
+    "update_ratio": ("update_ratio.py", "optimizer"),
+    "saturated_activation": ("saturated_activation.py", "forward"),
+    "activation_scale": ("activation_scale.py", "forward"),
+}
+
+
+@pytest.fixture(autouse=True)
+def fresh_registry():
+    """Every test starts from the default library and leaves no trace behind."""
+    saved, loaded = list(_registry._REGISTRY), _registry._LOADED
+    _registry._REGISTRY.clear()
+    _registry._LOADED = False
+    yield
+    _registry._REGISTRY[:] = saved
+    _registry._LOADED = loaded
+    _registry.VERSION[0] += 1
+    assert active_runner() is None
+
+
+def run_program(path, runner_kwargs=None):
+    """Run PATH as __main__ in this process under the always-on runner; returns the
+    violations reported (each would be a stop)."""
+    stops = []
+    with Runner(on_violation=stops.append, **(runner_kwargs or {})) as runner:
+        runpy.run_path(str(path), run_name="__main__")
+    return stops, runner
+
+
+@pytest.mark.parametrize("name", sorted(TRIPS))
+def test_each_library_assertion_trips_on_its_program(name):
+    program, stage = TRIPS[name]
+    path = PROGRAMS / program
+    stops, _ = run_program(path)
+    assert stops, f"{name} did not trip"
+    first = stops[0]
+    assert first.assertion == name, [v.headline() for v in stops]
+    assert first.kind == "assertion"
+    assert first.stage == stage
+    assert first.file == str(path)
+    assert first.line == marker_line(path)
+    assert first.frame is not None and first.frame.f_code.co_filename == str(path)
+    a = _registry.get(name)
+    assert a.message in first.text and a.hint in first.text
+    if name == "exploding_gradients":
+        assert first.step == 6                  # the step with the 1e6-scaled loss
+    if name == "param_no_grad":
+        assert first.param.startswith("extra.") and first.step == 2   # third step
+
+
+@pytest.mark.parametrize("path", [PROGRAMS / "healthy.py", EXAMPLES / "healthy.py",
+                                  REPO / "tests" / "programs" / "healthy_train.py"],
+                         ids=lambda p: p.parent.name + "/" + p.name)
+def test_healthy_programs_trip_no_default_assertion(path):
+    stops, runner = run_program(path)
+    assert [v.headline() for v in stops] == []
+    assert runner.step > 0
+
+
+def test_forgot_zero_grad_example_trips_grad_not_zeroed():
+    path = EXAMPLES / "forgot_zero_grad.py"
+    stops, _ = run_program(path)
+    first = stops[0]
+    assert first.assertion == "grad_not_zeroed"
+    assert first.line == marker_line(path, "optimizer.step()")
+    assert first.step == 1
+    assert first.param == "0.weight" and first.module == "0"
+
+
+def test_each_stop_happens_once_per_target_but_is_recorded_each_time():
+    stops, runner = run_program(EXAMPLES / "forgot_zero_grad.py")
+    assert len(stops) == 1
+    assert len([v for v in runner.violations if v.assertion == "grad_not_zeroed"]) == 29
+
+
+def test_opt_in_assertions_are_off_by_default():
+    off = {a.name for a in mldebug.assertions() if not a.enabled}
+    assert off == {"vanishing_gradients", "param_not_updated", "update_ratio",
+                   "saturated_activation", "activation_scale"}
+    stops, _ = run_program(PROGRAMS / "healthy.py")
+    assert stops == []
+
+
+def test_gan_style_cross_accumulation_is_not_a_forgotten_zero_grad():
+    torch.manual_seed(0)
+    G, D = nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 1))
+    og, od = torch.optim.SGD(G.parameters(), lr=0.01), torch.optim.SGD(D.parameters(), lr=0.01)
+    stops = []
+    with Runner(on_violation=stops.append):
+        for _ in range(4):
+            od.zero_grad()
+            D(torch.randn(8, 4)).mean().backward()
+            od.step()
+            og.zero_grad()
+            D(G(torch.randn(8, 4))).mean().backward()   # also accumulates into D's grads
+            og.step()
+    assert [v.assertion for v in stops] == []
+
+
+def test_custom_assertions_of_every_kind():
+    path = PROGRAMS / "custom_kinds.py"
+    stops, runner = run_program(path)
+    by_name = {}
+    for v in stops:
+        by_name.setdefault(v.assertion, v)
+    assert {"custom_loss_below_1", "custom_param_small_grad", "custom_tensor_node",
+            "custom_function", "custom_module", "custom_function_node",
+            "custom_python_function"} <= set(by_name)
+    assert by_name["custom_loss_below_1"].stage == "backward"
+    assert by_name["custom_param_small_grad"].param.endswith(".bias")
+    assert by_name["custom_tensor_node"].node == "1#0"
+    assert by_name["custom_tensor_node"].module == "1"
+    assert by_name["custom_module"].module in ("0", "2")
+    assert by_name["custom_module"].module_type == "Linear"
+    assert by_name["custom_function_node"].node == "1#0"
+    py = by_name["custom_python_function"]          # a user's Python function as target
+    assert py.stage == "forward" and py.line == marker_line(path, "# python function")
+    # node and function assertions also ran after backward, with the gradients
+    follow = _registry.get("custom_tensor_node")
+    assert ("backward", "1#0", True) in follow.seen
+    softmax = _registry.get("custom_function")
+    assert ("backward", ["input 0", "output"]) in softmax.seen
+    assert ("forward", []) in softmax.seen
+
+
+def test_register_deregister_and_switch():
+    class Never(mldebug.assertions.TensorAssertion):
+        name = "never"
+
+        def check(self, tensor, grad=None):
+            return False
+
+    a = mldebug.register_assertion(Never)
+    assert a in mldebug.assertions()
+    again = mldebug.register_assertion(Never())         # same name: replaced
+    assert [x.name for x in mldebug.assertions()].count("never") == 1
+    assert mldebug.deregister_assertion(Never) == [again]
+    with pytest.raises(mldebug.UsageError):
+        mldebug.deregister_assertion("never")
+    with pytest.raises(mldebug.UsageError):
+        mldebug.register_assertion(object())
+    mldebug.assertions.set_enabled("dead_relu", False)
+    stops, _ = run_program(PROGRAMS / "dead_relu.py")
+    assert [v.assertion for v in stops] == []
+
+
+def test_a_check_that_raises_is_switched_off_with_a_warning():
+    class Broken(mldebug.assertions.TensorAssertion):
+        name = "broken"
+
+        def check(self, tensor, grad=None):
+            raise ZeroDivisionError("oops")
+
+    mldebug.register_assertion(Broken)
+    with pytest.warns(RuntimeWarning, match="broken"):
+        stops, _ = run_program(PROGRAMS / "healthy.py")
+    assert stops == [] and not _registry.get("broken").enabled
+
+
+def test_runner_close_restores_backward_and_hooks():
+    orig = torch.autograd.backward
+    r = Runner(on_violation=lambda v: None).start()
+    assert torch.autograd.backward is not orig
+    r.close()
+    r.close()
+    assert torch.autograd.backward is orig
+    from mldebug.graph import active_capture
+    assert active_capture() is None
+
+
+def test_runner_closes_when_the_program_raises():
+    orig = torch.autograd.backward
+    with pytest.raises(ValueError):
+        with Runner(on_violation=lambda v: None):
+            raise ValueError("boom")
+    assert torch.autograd.backward is orig
+
+
+def test_scan_captures_one_step_and_runs_the_assertions():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(16, 4)
+    stops = []
+    with mldebug.scan(on_violation=stops.append) as s:
+        loss = model(x).squeeze(1)          # not reduced: a vector 'loss'
+        try:
+            loss.backward()
+        except RuntimeError:
+            pass
+        loss.sum().backward()
+        opt.step()
+    assert [v.assertion for v in stops] == ["loss_not_scalar"]
+    g = s.graph
+    assert [n.id for n in g.modules()] == ["root#0", "0#0", "1#0", "2#0"]
+    assert "linear" in g["0"].ops
+    assert g["2"].grads and g["2"].grads[0] > 0     # gradient reaching the output
+    assert torch.autograd.backward.__module__ == "torch.autograd"
+
+
+# -- through the real CLI -------------------------------------------------------------
+@pytest.mark.parametrize("name", ["grad_not_zeroed", "dead_relu", "loss_requires_no_grad"])
+def test_cli_batch_stops_on_the_assertion(tmp_path, name):
+    program = PROGRAMS / TRIPS[name][0]
+    report = tmp_path / "r.jsonl"
+    result = run_cli(["--batch", "--report", str(report), str(program)])
+    assert result.returncode == 3, result.stderr
+    (stop,) = read_report(report)
+    assert stop["reason"] == "assertion"
+    assert stop["assertion"] == name
+    assert stop["file"] == str(program)
+    assert stop["line"] == marker_line(program)
+    assert stop["stage"] == TRIPS[name][1]
+    assert f"assertion {name} failed" in stop["message"]
+
+
+def test_cli_forgot_zero_grad_example(tmp_path):
+    example = EXAMPLES / "forgot_zero_grad.py"
+    report = tmp_path / "r.jsonl"
+    result = run_cli(["--batch", "--report", str(report), str(example)])
+    assert result.returncode == 3, result.stderr
+    (stop,) = read_report(report)
+    assert (stop["reason"], stop["assertion"]) == ("assertion", "grad_not_zeroed")
+    assert stop["line"] == marker_line(example, "optimizer.step()")
+    assert stop["param"] == "0.weight"
+
+
+def test_cli_break_on_without_assert_runs_through(tmp_path):
+    report = tmp_path / "r.jsonl"
+    result = run_cli(["--batch", "--break-on", "nan,inf", "--report", str(report),
+                      str(EXAMPLES / "forgot_zero_grad.py")])
+    assert result.returncode == 0, result.stderr
+    assert read_report(report) == []
+
+
+def test_cli_interactive_stop_then_assertions_command_and_switch_off():
+    program = PROGRAMS / "grad_not_zeroed.py"
+    result = run_cli([str(program)],
+                     stdin="assertions\nassertions off grad_not_zeroed\nassertions off nope\n"
+                           "assertions on update_ratio\nassertions on\nc\n")
+    out = result.stdout
+    assert result.returncode == 0, result.stderr
+    assert "mldebug: assertion grad_not_zeroed failed" in out
+    assert f"> {program}({marker_line(program)})<module>()" in out
+    assert "grad_not_zeroed [param" in out and "update_ratio [param" in out
+    assert "violations this step (1):" in out
+    assert "assertion grad_not_zeroed is off" in out
+    assert "no assertion named 'nope'" in out
+    assert "assertion update_ratio is on" in out
+    assert "usage: assertions [on NAME | off NAME]" in out
+    # switched off, grad_not_zeroed does not stop again; update_ratio, now on, finds
+    # SGD's lr=0.01 fine: the program runs to its end
+    assert result.stdout.count("mldebug: assertion") == 1
+
+
+def test_scan_inside_the_always_on_runner_reports_once():
+    model = nn.Linear(4, 1)
+    outer = []
+    with Runner(on_violation=outer.append):
+        inner = []
+        with mldebug.scan(on_violation=inner.append) as s:
+            with torch.no_grad():
+                loss = model(torch.randn(2, 4)).sum()
+            try:
+                loss.backward()
+            except RuntimeError:
+                pass
+        assert [v.assertion for v in inner] == ["loss_requires_no_grad"]
+        assert s.graph is not None and s.graph.root_type == "Linear"
+    assert outer == []
+
+
+def test_python_function_target_is_wrapped_and_restored(monkeypatch):
+    import sys
+    import types
+
+    mod = types.ModuleType("mldebug_test_fn_module")
+    exec("def double(x):\n    return x * 2\n", mod.__dict__)
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    original = mod.double
+
+    class Small(mldebug.assertions.FunctionAssertion):
+        name = "small_output"
+
+        def check(self, output, inputs, grads):
+            return float(output.max()) < 5
+
+    stops = []
+    with Runner(on_violation=stops.append):
+        mldebug.register_assertion(Small(targets=[original]))
+        assert mod.double is not original and mod.double.__wrapped__ is original
+        mod.double(torch.ones(2))
+        mod.double(torch.full((2,), 4.0))
+    assert mod.double is original
+    assert [v.assertion for v in stops] == ["small_output"]
