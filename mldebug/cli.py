@@ -15,6 +15,7 @@ import runpy
 import sys
 import traceback
 import types
+import warnings
 
 from . import __version__
 from . import frames as _frames
@@ -35,7 +36,8 @@ examples:
                                              run commands at the first prompt
 
 At the prompt: every pdb command, plus `inspect EXPR`, `why`, `watch on|off`,
-`breakon nan,inf`, `stopinfo`. `help CMD` explains one.
+`breakon nan,inf`, `stopinfo`, `graph [PATH|EXPR] [-d N]`, `assertions [on|off NAME]`.
+`help CMD` explains one.
 """
 
 
@@ -110,8 +112,8 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     i = 0
     while i < len(argv):
         word = argv[i]
-        if word == "--":
-            return argv[:i] + argv[i + 1:i + 2], argv[i + 2:]
+        if word == "--":  # argparse also reads '--': what follows is the script
+            return argv[:i + 2], argv[i + 2:]
         if word == "-m":
             return argv[:i + 2], argv[i + 2:]
         if word in _VALUE_OPTIONS:
@@ -163,6 +165,10 @@ class Program:
             name, spec, code = runpy._get_module_details(module)  # noqa: SLF001
         except ImportError as exc:
             raise _CliError(f"cannot run module {module!r}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - the package's own code raised, or a SyntaxError
+            traceback.print_exception(type(exc), exc, _strip_own_frames(exc.__traceback__))
+            raise _CliError(f"cannot run module {module!r}: "
+                            f"{type(exc).__name__} while importing it") from None
         finally:
             sys.path.pop(0)
         filename = spec.origin or module
@@ -221,13 +227,30 @@ def _start_watch(session: _session.Session, args):
                         allow=tuple(args.allow))
 
 
+def _start_assertions(session: _session.Session, args):
+    """The always-on graph capture (what `graph` shows) and, with 'assert' in
+    --break-on, the staged assertions (mldebug/assertions)."""
+    from .assertions.runner import AlwaysOn
+
+    return AlwaysOn(assertions="assert" in session.break_on)
+
+
+def _close_assertions(started) -> None:
+    if started is not None:
+        started.close()
+
+
 def _close_watches(started) -> None:
     """Close the watch the CLI started and any the user started at the prompt."""
     from .watch import active_watch
 
-    for watch in (started, active_watch()):
-        if watch is not None:
-            watch.close()
+    with warnings.catch_warnings():
+        # a watch turned off and on while paused inside an op leaves an inert mode under
+        # the new one; expected, not news for the user
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for watch in (started, active_watch()):
+            if watch is not None:
+                watch.close()
 
 
 def run(args) -> int:
@@ -249,6 +272,7 @@ def run(args) -> int:
 
     session = _session.install(_session.Session(
         break_on=break_on, batch=args.batch, report_path=args.report))
+    session.allow = tuple(args.allow)  # `watch on` at the prompt keeps them
     if args.report:
         try:
             open(session.report_path, "a").close()
@@ -281,6 +305,7 @@ def run(args) -> int:
     if not dap_mode:  # DAP mode: debugpy's own breakpoint() hook stays
         sys.breakpointhook = _debugger.set_trace
     watch = _start_watch(session, args)
+    always_on = _start_assertions(session, args)
     try:
         if args.stop_at_start and debugger is not None:
             debugger.mainpyfile = debugger.canonic(program.filename)
@@ -288,7 +313,8 @@ def run(args) -> int:
             debugger.run(program.code, globals_)
         else:
             exec(program.code, globals_)
-        return 0
+        # the program may have caught BatchStop (`except BaseException`): the stop stands
+        return EXIT_BATCH_STOP if session.batch_stopped else 0
     except SystemExit as exc:
         return _exit_status(exc)
     except _session.BatchStop:
@@ -302,6 +328,7 @@ def run(args) -> int:
             raise
         return _post_mortem(exc, session, debugger)
     finally:
+        _close_assertions(always_on)
         _close_watches(watch)
         sys.breakpointhook = saved_hook
 

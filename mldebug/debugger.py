@@ -37,6 +37,17 @@ class MLCommands:
         self.program_code = None  # the CLI's program: frames above it are hidden
 
     # -- where a pause lands ---------------------------------------------------------
+    def interaction(self, frame, traceback):
+        # Every prompt (breakpoint, NaN stop, post-mortem) runs with the watch suspended:
+        # what the user evaluates there, and mldebug's own summaries, is not the program.
+        from .watch import active_watch
+
+        active = active_watch()
+        if active is None:
+            return super().interaction(frame, traceback)
+        with active.suspended():
+            return super().interaction(frame, traceback)
+
     def setup(self, f, tb):
         result = super().setup(f, tb)
         self._hide_launcher_frames()
@@ -122,7 +133,8 @@ class MLCommands:
         """
         violation = self.mldebug_session.last_violation
         stop = self._current_stop
-        if violation is None:
+        if stop is not None and stop.reason in ("exception", "breakpoint"):
+            violation = None  # explain this stop, not an older NaN stop
             if stop is not None:
                 self.message(stop.message)
             else:
@@ -156,8 +168,7 @@ class MLCommands:
             self.message(f"watch is {state}; break on: {kinds}")
         elif word == "on":
             if active is None:
-                _watch.watch(on_violation=self.mldebug_session.on_violation,
-                             break_on=self.mldebug_session.break_on)
+                self._start_watch()
             self.message("watch is on")
         elif word == "off":
             if active is not None:
@@ -191,7 +202,112 @@ class MLCommands:
         active = _watch.active_watch()
         if active is not None:
             active.set_break_on(kinds)
+        elif kinds & {"nan", "inf"}:
+            self._start_watch()  # asked for NaN/Inf stops: they need the watch
+            self.message("watch is on")
         self.message(f"break on: {','.join(sorted(kinds)) or 'none'}")
+
+    def _start_watch(self):
+        from . import watch as _watch
+
+        session = self.mldebug_session
+        return _watch.watch(on_violation=session.on_violation, break_on=session.break_on,
+                            allow=session.allow)
+
+    def do_graph(self, arg):
+        """graph [-d DEPTH] [PATH | EXPR]
+        Print the module tree of the last forward pass: path, type, output shapes, stats,
+        NaN/Inf and assertion markers. PATH (e.g. h.0.attn) expands one submodule;
+        EXPR (e.g. graph model(x)) traces that call with op detail and prints its graph.
+        """
+        from . import graph as _graph
+
+        words = arg.split()
+        depth = 3
+        if "-d" in words:
+            i = words.index("-d")
+            try:
+                depth = int(words[i + 1])
+                if depth < 0:
+                    raise ValueError
+            except (IndexError, ValueError):
+                self.error("graph: -d takes a depth >= 0, e.g. graph -d 2")
+                return
+            del words[i:i + 2]
+        target = " ".join(words)
+        graph = _graph.last_graph()
+        if target and (graph is None or graph.find(target) is None):
+            if "(" not in target:
+                where = "the last forward pass" if graph is not None else "any forward pass yet"
+                self.error(f"graph: no module {target!r} in {where} "
+                           "(give a path such as h.0.attn, or a call such as model(x))")
+                return
+            try:
+                code = compile(target, "<mldebug>", "eval")
+            except SyntaxError as exc:
+                self.error(f"graph {target}: SyntaxError: {exc.msg}")
+                return
+            frame = self.curframe
+            if frame is None:
+                self.error("graph: no frame to evaluate in")
+                return
+            traced, _, exc = _graph.trace_expression(
+                lambda: eval(code, frame.f_globals, self.curframe_locals))
+            if traced is None:
+                self.error(f"graph {target}: no module was called"
+                           + (f" ({type(exc).__name__}: {exc})" if exc else ""))
+                return
+            self.message(traced.format(depth=depth, ops=True))
+            if exc is not None:
+                self.error(f"graph {target}: raised {type(exc).__name__}: {exc}")
+            return
+        if graph is None:
+            self.error("graph: no forward pass seen yet (or graph capture is off); "
+                       "try graph model(x)")
+            return
+        violation = self.mldebug_session.last_violation
+        if violation is not None and violation.module:
+            graph.mark(violation.module,
+                       violation.kind if violation.kind != "assertion" else violation.assertion)
+        self.message(graph.format(depth=depth, path=target or None))
+
+    def do_assertions(self, arg):
+        """assertions [on NAME | off NAME]
+        List the registered assertions (on/off, stages) and this step's violations;
+        `assertions on NAME` / `assertions off NAME` switches one.
+        """
+        from . import assertions as _assertions
+        from .assertions import registry as _registry
+        from .assertions.runner import active_runner
+
+        words = arg.split()
+        if words:
+            if len(words) != 2 or words[0] not in ("on", "off"):
+                self.error("usage: assertions [on NAME | off NAME]")
+                return
+            a = _registry.get(words[1])
+            if a is None:
+                names = ", ".join(x.name for x in _assertions())
+                self.error(f"assertions: no assertion named {words[1]!r}; registered: {names}")
+                return
+            if a.delegate:
+                self.error(f"assertions: {a.name} is checked by the {a.delegate}; "
+                           f"use `breakon` to change what stops")
+                return
+            a.enabled = words[0] == "on"
+            self.message(f"assertion {a.name} is {words[0]}")
+            return
+        for a in _assertions():
+            self.message("  " + a.describe())
+        runner = active_runner()
+        if runner is None:
+            self.message("assertions are not running (--break-on without assert)")
+            return
+        step = runner.step_violations
+        self.message(f"violations this step ({len(step)}):" if step else
+                     "no violations this step")
+        for v in step:
+            self.message(f"  {v.headline()}")
 
     def do_stopinfo(self, arg):
         """stopinfo
@@ -218,12 +334,7 @@ class MLCommands:
             self.message("  (`why` explains, `inspect NAME` shows a tensor, `c` continues)")
         if frame is None:
             frame = _frames.caller_user_frame(1) or sys._getframe(1)
-        from . import watch as _watch
-
-        active = _watch.active_watch()
-        suspended = active.suspended() if active is not None else _NullContext()
-        with suspended:
-            self._interact_from_hook(frame)
+        self._interact_from_hook(frame)
 
     def _interact_from_hook(self, frame: FrameType) -> None:
         self.reset()
@@ -264,14 +375,6 @@ class MLCommands:
             self.interaction(None, tb)
         finally:
             self._initial_frame = None
-
-
-class _NullContext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 class MLPdb(MLCommands, pdb.Pdb):

@@ -155,7 +155,11 @@ class Stop:
     @classmethod
     def from_exception(cls, exc: BaseException, frame: Optional[FrameType]) -> "Stop":
         file, line, function = _frames.location(frame)
-        text = f"{type(exc).__name__}: {exc}".rstrip(": ")
+        try:
+            detail = str(exc)
+        except Exception as err:  # noqa: BLE001 - a user's __str__ that raises
+            detail = f"<str() failed: {type(err).__name__}: {err}>"
+        text = f"{type(exc).__name__}: {detail}".rstrip(": ")
         where = f" at {os.path.basename(file)}:{line} in {function}" if file else ""
         return cls(reason="exception", message=f"uncaught {text}{where}", file=file,
                    line=line, function=function, exception=text)
@@ -206,6 +210,7 @@ class Session:
         self.last_violation: Optional[Violation] = None
         self.batch_stopped = False
         self.step: Optional[int] = None
+        self.allow: tuple = ()  # the watch's exemptions (--allow), kept for `watch on`
         # pause(stop, frame) -> None, blocks until the user continues; set by a front end
         self.pauser: Optional[Callable[[Stop, Optional[FrameType]], None]] = None
         self._lock = threading.RLock()
@@ -215,8 +220,12 @@ class Session:
         with self._lock:
             self.stops.append(stop)
             if self.report_path:
-                with open(self.report_path, "a", encoding="utf-8") as fh:
-                    fh.write(stop.to_json() + "\n")
+                try:
+                    with open(self.report_path, "a", encoding="utf-8") as fh:
+                        fh.write(stop.to_json() + "\n")
+                except OSError as exc:  # never take the user's program down for a report
+                    print(f"mldebug: warning: cannot write the report {self.report_path}: "
+                          f"{exc.strerror or exc}", file=self.out, flush=True)
 
     def wants(self, reason: str) -> bool:
         key = {"assertion": "assert"}.get(reason, reason)
@@ -232,10 +241,23 @@ class Session:
                 self.batch_stopped = True
                 raise BatchStop(stop.message)
             return
-        if self.pauser is not None:
-            self.pauser(stop, frame)
+        if self.pauser is None:
+            self._install_default_pauser()
+        self.pauser(stop, frame)
+
+    def _install_default_pauser(self) -> None:
+        """No front end was set up (`with mldebug.watch():` in a plain script or a plain
+        debugpy session): pause in the client debugpy serves, else at mldebug's prompt."""
+        from . import dap
+
+        if dap.debugger_active():
+            from .dap.pauser import DapPauser
+
+            self.pauser = DapPauser(self)
         else:
-            print(f"mldebug: stop: {stop.message}", file=self.out, flush=True)
+            from .debugger import get_debugger
+
+            get_debugger(self)  # sets self.pauser
 
     def on_violation(self, violation: Violation) -> None:
         """Called by the watch (inside the op) when it found a violation worth a stop."""

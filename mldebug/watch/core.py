@@ -126,6 +126,20 @@ def _caller(depth):
         return None
 
 
+_STRIDED = torch.strided
+_PLAIN = frozenset(t for t in (Tensor, torch.nn.Parameter,
+                               getattr(torch.nn.parameter, "Buffer", None)) if t is not None)
+
+
+def _checkable(t) -> bool:
+    """A plain strided tensor (or parameter: optimizers update those in place) with data:
+    FakeTensors (torch.export, FakeTensorMode) and
+    other subclasses, meta, nested and mkldnn tensors have no values a sum could read, or
+    no sum kernel; the watch must not change what they do."""
+    return (type(t) in _PLAIN and t.layout is _STRIDED and not t.is_nested
+            and not t.is_meta)
+
+
 def _floating(t) -> bool:
     return isinstance(t, Tensor) and t.is_floating_point()
 
@@ -172,6 +186,8 @@ class _Mode(TorchDispatchMode):
             sum_dtype = _SUM_DTYPE.get(out.dtype, 0)
             if sum_dtype == 0:
                 return out                # integer, bool, complex: not checked
+            if not _checkable(out):
+                return out                # fake/meta/nested/mkldnn/subclass: no data to read
             if out.is_cpu:
                 s = out.sum() if sum_dtype is None else out.sum(dtype=sum_dtype)
                 if not _isfinite(s.item()):
@@ -451,7 +467,8 @@ class Watch:
             else:
                 continue
             for t in items:
-                if isinstance(t, Tensor) and _SUM_DTYPE.get(t.dtype, 0) != 0:
+                if isinstance(t, Tensor) and _SUM_DTYPE.get(t.dtype, 0) != 0 \
+                        and _checkable(t):
                     (cpu if t.is_cpu else device).append(t)
         if device:
             self._window_add(func, info, args, kwargs, tuple(outs), device)
