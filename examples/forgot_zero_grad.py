@@ -1,8 +1,8 @@
 """Training without `optimizer.zero_grad()`: gradients pile up step after step.
 
 Nothing crashes and nothing is NaN; the loss just behaves oddly because every step
-applies the sum of all earlier gradients. `inspect model` at a breakpoint shows grad
-norms that grow with the step count.
+applies the sum of all earlier gradients. mldebug's `grad_not_zeroed` assertion stops at
+the second step of the optimizer; `inspect model` there shows the piled-up grad norms.
 
     python -m mldebug examples/forgot_zero_grad.py
 """
