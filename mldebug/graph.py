@@ -56,6 +56,7 @@ import torch.nn.modules.module as _module_hooks
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from .modnames import module_names
 from .summary import _num, short_dtype
 from .summary import summary as _tensor_summary
 
@@ -446,7 +447,7 @@ class _Recorder:
     def __init__(self, root, step=None, names=None, eager=False):
         self.eager = eager               # summaries at capture time (trace/scan)
         self.graph = Graph(type(root).__name__, step)
-        self.names = names if names is not None else _module_names(root)
+        self.names = names if names is not None else module_names(root)
         self.stack: list = []            # [(module, node)]
         self.producer: dict = {}         # id(tensor) -> (weakref, node id)
         self.op_counts: dict = {}
@@ -500,7 +501,7 @@ class _Recorder:
         if parent is None and g.root_type == "ops":
             # ops ran before the first module (scan): the graph is named by that module
             g.root_type = type(module).__name__
-            self.names = _module_names(module)
+            self.names = module_names(module)
         path = self.names.get(id(module))
         if path is None:
             path = (parent.path + "." if parent is not None and parent.path else "") + \
@@ -559,25 +560,6 @@ class _Recorder:
         node.inplace = any(id(t) in in_ids for t in outs)
         if parent is not None:
             parent.ops += (name,)
-
-
-_NAMES = weakref.WeakKeyDictionary()     # root module -> {id(module): dotted path}
-
-
-def _module_names(root) -> dict:
-    names = _NAMES.get(root)
-    if names is None:
-        names = {}
-        try:
-            for name, m in root.named_modules(remove_duplicate=False):
-                names.setdefault(id(m), name)
-        except Exception:
-            pass
-        try:
-            _NAMES[root] = names
-        except TypeError:
-            pass
-    return names
 
 
 def _exception_now():

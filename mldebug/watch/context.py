@@ -8,26 +8,15 @@ from __future__ import annotations
 
 import weakref
 
+from ..modnames import module_names
+
 
 class ModuleNames:
     """Dotted paths from the outermost module, computed once per root, cached weakly."""
 
     def __init__(self):
-        self._names = weakref.WeakKeyDictionary()    # root -> {id(module): name}
         self._params = weakref.WeakKeyDictionary()   # root -> {id(param): name}
         self.roots = weakref.WeakSet()               # outermost modules seen
-
-    def _module_names(self, root):
-        names = self._names.get(root)
-        if names is None:
-            names = {}
-            try:
-                for name, module in root.named_modules(remove_duplicate=False):
-                    names.setdefault(id(module), name)
-            except Exception:  # a module whose named_modules() fails: no names
-                pass
-            self._names[root] = names
-        return names
 
     def path(self, record) -> tuple[str, str]:
         """(dotted path, class name) of the innermost module of a stack record."""
@@ -39,7 +28,7 @@ class ModuleNames:
             record = record[1]
         inner = chain[0]
         root = chain[-1]
-        names = self._module_names(root)
+        names = module_names(root)
         # innermost module known under the root; modules called that are not children
         # of the root (shared helpers) are named by their class after the known part
         for depth, module in enumerate(chain):

@@ -1,0 +1,24 @@
+"""Dotted module paths from an outermost module, shared by the watch and the graph."""
+from __future__ import annotations
+
+import weakref
+
+_NAMES = weakref.WeakKeyDictionary()     # root module -> {id(module): dotted path}
+
+
+def module_names(root) -> dict:
+    """{id(module): dotted path} for every module under ROOT, computed once per root and
+    cached weakly; empty when the root's `named_modules()` fails."""
+    names = _NAMES.get(root)
+    if names is None:
+        names = {}
+        try:
+            for name, module in root.named_modules(remove_duplicate=False):
+                names.setdefault(id(module), name)
+        except Exception:  # noqa: BLE001 - a module whose named_modules() fails: no names
+            pass
+        try:
+            _NAMES[root] = names
+        except TypeError:  # a root that cannot be weakly referenced: not cached
+            pass
+    return names
