@@ -224,7 +224,7 @@ def _start_watch(session: _session.Session, args):
     from . import watch as _watch
 
     return _watch.watch(on_violation=session.on_violation, break_on=session.break_on,
-                        allow=tuple(args.allow))
+                        allow=session.allow)
 
 
 def _start_assertions(session: _session.Session, args):
