@@ -6,6 +6,11 @@ Public API (all lazy, so `import mldebug` stays cheap and patches nothing):
     set_trace(frame=None) open mldebug's debugger here (PYTHONBREAKPOINT=mldebug.set_trace)
     watch(...)            break on the first NaN/Inf (context manager / handle with close())
     allow(*patterns)      exempt ops or modules from the watch
+    record(model, ...)    record stats/histograms over training steps into runs/NAME.sqlite
+    log_tensor / log_scalar / log_note   named tensors, KPIs, notes of the recording
+    view(port=None)       start the browser view (once); returns its URL with the token
+    inspect(x, name=None, wait=False)   add x to the browser view's inspect list; wait
+                          blocks until Continue in the page (returns x)
 """
 from __future__ import annotations
 
@@ -23,6 +28,12 @@ _LAZY = {
     "post_mortem": ("debugger", "post_mortem"),
     "watch": ("watch", "watch"),
     "allow": ("watch", "allow"),
+    # `mldebug.record` is the callable package (like `watch`): record(model, ...) and
+    # record.open_run(...) both work
+    "record": ("record", "record"),
+    "log_tensor": ("record", "log_tensor"),
+    "log_scalar": ("record", "log_scalar"),
+    "log_note": ("record", "log_note"),
     "Stop": ("session", "Stop"),
     "Violation": ("session", "Violation"),
     "trace": ("graph", "trace"),
@@ -31,6 +42,9 @@ _LAZY = {
     "register_assertion": ("assertions", "register_assertion"),
     "deregister_assertion": ("assertions", "deregister_assertion"),
     "assertions": ("assertions", "assertions"),
+    # the browser view; `view` is the (callable) package itself, as `watch` is
+    "view": ("view", "view"),
+    "inspect": ("view", "inspect"),
 }
 
 

@@ -36,8 +36,10 @@ examples:
                                              run commands at the first prompt
 
 At the prompt: every pdb command, plus `inspect EXPR`, `why`, `watch on|off`,
-`breakon nan,inf`, `stopinfo`, `graph [PATH|EXPR] [-d N]`, `assertions [on|off NAME]`.
+`breakon nan,inf`, `stopinfo`, `graph [PATH|EXPR] [-d N]`, `assertions [on|off NAME]`,
+`view [PORT]` (the browser view), `history [MODULE]` (the last steps' norms).
 `help CMD` explains one.
+python -m mldebug runs DIR lists the runs mldebug.record(..., run_dir=DIR) stored.
 """
 
 
@@ -79,8 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated stops: nan, inf, inf-all (every Inf, even "
                              "masks), assert, exception, or none (default: %(default)s). "
                              "Example: --break-on nan")
-    parser.add_argument("--watch", choices=("on", "off"), default="on",
-                        help="the NaN/Inf watch (default: on; off costs nothing)")
+    parser.add_argument("--history", choices=("on", "off"), default="on",
+                        help="keep the last steps' parameter/gradient norms in memory for "
+                             "the `history` command (default: on; about 1%% of step time)")
+    parser.add_argument("--watch", choices=("on", "off", "exact"), default="on",
+                        help="the NaN/Inf watch (default: on; off costs nothing; exact: "
+                             "the per-op check everywhere, no re-runs of module calls)")
     parser.add_argument("--allow", action="append", default=[], metavar="PATTERN",
                         help="exempt ops or modules from the watch by pattern "
                              "(repeatable), e.g. --allow 'aten.log*' --allow 'encoder.*'")
@@ -93,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "127.0.0.1); stops then show in the client. Example: --listen 5678")
     parser.add_argument("--wait-for-client", action="store_true",
                         help="with --listen: wait until a client attaches before running")
+    # -- browser view (mldebug/view) --
+    parser.add_argument("--view", nargs="?", const="", default=None, metavar="PORT",
+                        help="start the browser view (heatmaps, graph, Continue/Step buttons) "
+                             "on 127.0.0.1:PORT (default 5006; 0 = any free port) and print "
+                             "its URL. Example: --view 8000")
     parser.add_argument("--version", action="version", version=f"mldebug {__version__}")
     parser.add_argument("target", nargs="?", metavar="script.py",
                         help="the program to run")
@@ -102,16 +113,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _VALUE_OPTIONS = {"-m", "-c", "--command", "--report", "--break-on", "--watch", "--allow",
-                  "--listen"}
+                  "--listen", "--history"}
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     """Split ARGV into mldebug's own part (up to the script or `-m MODULE`) and the
     program's arguments, which are passed through untouched even when they look like
     options (`train.py --lr 0.1`, `-m pkg.train -v`)."""
+    argv = list(argv)
     i = 0
     while i < len(argv):
         word = argv[i]
+        if word == "--view":  # optional value: `--view 8000` or `--view script.py`
+            value = argv[i + 1] if i + 1 < len(argv) and argv[i + 1].isdigit() else None
+            argv[i:i + (2 if value else 1)] = [f"--view={value or ''}"]
         if word == "--":  # argparse also reads '--': what follows is the script
             return argv[:i + 2], argv[i + 2:]
         if word == "-m":
@@ -219,12 +234,13 @@ def _innermost_user_frame(tb):
 
 
 def _start_watch(session: _session.Session, args):
-    if args.watch != "on" or not (session.break_on & {"nan", "inf"}):
+    session.exact_watch = args.watch == "exact"   # `watch on` at the prompt keeps it
+    if args.watch == "off" or not (session.break_on & {"nan", "inf"}):
         return None
     from . import watch as _watch
 
     return _watch.watch(on_violation=session.on_violation, break_on=session.break_on,
-                        allow=session.allow)
+                        allow=session.allow, exact=session.exact_watch)
 
 
 def _start_assertions(session: _session.Session, args):
@@ -299,6 +315,16 @@ def run(args) -> int:
     elif args.commands:
         print("mldebug: note: -c commands are ignored with --batch (it never prompts)",
               file=sys.stderr)
+    if args.view is not None:
+        from . import view as _view
+        try:
+            _view.start(args.view)
+        except ValueError as exc:
+            print(f"mldebug: error: --view: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        except Exception as exc:  # noqa: BLE001 - the program runs without a view
+            print(f"mldebug: warning: the browser view could not start: {exc}",
+                  file=sys.stderr, flush=True)
 
     globals_ = program.install()
     saved_hook = sys.breakpointhook
@@ -306,6 +332,10 @@ def run(args) -> int:
         sys.breakpointhook = _debugger.set_trace
     watch = _start_watch(session, args)
     always_on = _start_assertions(session, args)
+    history = None
+    if args.history == "on":  # mldebug/record/history.py: what `history` shows at a stop
+        from .record.history import History
+        history = History().start()
     try:
         if args.stop_at_start and debugger is not None:
             debugger.mainpyfile = debugger.canonic(program.filename)
@@ -329,6 +359,8 @@ def run(args) -> int:
         return _post_mortem(exc, session, debugger)
     finally:
         _close_assertions(always_on)
+        if history is not None:
+            history.close()
         _close_watches(watch)
         sys.breakpointhook = saved_hook
 
@@ -357,9 +389,9 @@ def _post_mortem(exc: BaseException, session: _session.Session, debugger) -> int
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `mldebug` and `python -m mldebug`; never returns."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["runs"]:
-        print("mldebug: error: 'runs' is not available yet", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
+    if argv[:1] == ["runs"]:  # python -m mldebug runs DIR (mldebug/record/store.py)
+        from .record.store import runs_main
+        sys.exit(runs_main(argv[1:]))
     parser = build_parser()
     own, program_args = split_argv(argv)
     args = parser.parse_args(own)

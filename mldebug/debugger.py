@@ -62,6 +62,26 @@ class MLCommands:
                     break
         return result
 
+    def cmdloop(self, intro=None):
+        # While a browser view runs, the prompt reads from the terminal AND the page's
+        # buttons (mldebug/view/prompt.py); without one, the usual loop.
+        while True:
+            view = sys.modules.get("mldebug.view")
+            if view is not None and view.running() is not None:
+                self._in_view_cmdloop = True
+                try:
+                    return view.prompt_loop(self, intro)
+                finally:
+                    self._in_view_cmdloop = None
+            self._in_view_cmdloop = False
+            try:
+                result = super().cmdloop(intro)
+            finally:
+                self._in_view_cmdloop = None
+            if not self.__dict__.pop("_view_reenter", False):
+                return result
+            intro = None
+
     def onecmd(self, line):
         # A bug in a command must never take the user's program down with it.
         try:
@@ -122,8 +142,23 @@ class MLCommands:
         from .summary import describe
 
         self.message(describe(value, name=expr))
+        view = sys.modules.get("mldebug.view")   # not imported: no view runs
+        if view is not None:
+            view.add_from_prompt(value, expr)
 
     complete_inspect = pdb.Pdb._complete_expression
+
+    def do_view(self, arg):
+        """view [PORT]
+        Start the browser view (heatmaps, the graph, Continue / Step over buttons) and
+        print its URL; when it runs, print the URL. PORT: default 5006, 0 = any free.
+        """
+        from . import view as _view
+
+        if _view.do_view(self, arg) and getattr(self, "_in_view_cmdloop", None) is False:
+            self._view_reenter = True
+            return True   # leave this loop; `cmdloop` goes on reading through the view
+        return None
 
     def do_why(self, arg):
         """why
@@ -212,7 +247,7 @@ class MLCommands:
 
         session = self.mldebug_session
         return _watch.watch(on_violation=session.on_violation, break_on=session.break_on,
-                            allow=session.allow)
+                            allow=session.allow, exact=session.exact_watch)
 
     def do_graph(self, arg):
         """graph [-d DEPTH] [PATH | EXPR]
@@ -319,6 +354,24 @@ class MLCommands:
             self.error("stopinfo: no stop yet")
             return
         self.message(stop.to_json())
+
+    def do_history(self, arg):
+        """history [MODULE]
+        The last steps' parameter and gradient norms of MODULE (default: the module of
+        the current stop), read before each optimizer update: what led to the NaN.
+        Without a module or stop: the model's fastest-growing parameters.
+        Kept by the CLI (--history on, the default; --history off turns it off).
+        """
+        from .record.history import active_history, module_of_stop
+
+        history = active_history()
+        if history is None:
+            self.error("history: no history is kept (the CLI keeps one unless --history off)")
+            return
+        module = arg.strip().strip("'\"")
+        if not arg.strip():  # the stop's module; none: the fastest-growing parameters
+            module = module_of_stop(self._current_stop)
+        self.message(history.format(module))
 
     # -- pausing from inside the engine --------------------------------------------
     def pause_at(self, stop: Stop, frame: Optional[FrameType]) -> None:

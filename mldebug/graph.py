@@ -56,6 +56,7 @@ import torch.nn.modules.module as _module_hooks
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from . import replay as _replay
 from .modnames import module_names
 from .summary import _num, short_dtype
 from .summary import summary as _tensor_summary
@@ -638,7 +639,7 @@ class Capture:
         return self._started
 
     def _pre(self, module, args):
-        if _TRACING or _get_ident() != self._owner:
+        if _TRACING or _replay._depth or _get_ident() != self._owner:
             return None
         rec = self._rec
         try:
@@ -673,7 +674,7 @@ class Capture:
                           f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=3)
 
     def _post(self, module, args, output):
-        if _TRACING or _get_ident() != self._owner:
+        if _TRACING or _replay._depth or _get_ident() != self._owner:
             return None
         rec = self._rec
         if rec is None:
@@ -807,7 +808,7 @@ class _Tracer:
         return self._rec
 
     def _pre(self, module, args):
-        if _get_ident() != self.owner or QUIET[0]:
+        if _get_ident() != self.owner or QUIET[0] or _replay._depth:
             return None
         QUIET[0] += 1
         try:
@@ -821,7 +822,7 @@ class _Tracer:
         return None
 
     def _post(self, module, args, *rest):
-        if _get_ident() != self.owner or self._rec is None or QUIET[0]:
+        if _get_ident() != self.owner or self._rec is None or QUIET[0] or _replay._depth:
             return None
         QUIET[0] += 1
         try:

@@ -211,6 +211,7 @@ class Session:
         self.batch_stopped = False
         self.step: Optional[int] = None
         self.allow: tuple = ()  # the watch's exemptions (--allow), kept for `watch on`
+        self.exact_watch = False  # --watch exact: the per-op check everywhere
         # pause(stop, frame) -> None, blocks until the user continues; set by a front end
         self.pauser: Optional[Callable[[Stop, Optional[FrameType]], None]] = None
         self._lock = threading.RLock()

@@ -32,13 +32,14 @@ import torch.optim.optimizer as _optim_hooks
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from .. import autograd_patch as _autograd_patch
 from .. import frames as _frames
+from .. import replay as _replay
 from . import registry as _registry
 from .base import (BACKWARD, BEFORE_BACKWARD, BEFORE_STEP, FORWARD, OPTIMIZER, STOP_STAGE,
                    FunctionAssertion, ParamAssertion, TensorAssertion, TensorNodeAssertion)
 
 _RUNNERS: list = []          # running runners; the innermost (last) one gets the events
-_ORIG_BACKWARD = None        # torch.autograd.backward while we wrap it
 _get_ident = threading.get_ident
 
 
@@ -46,33 +47,25 @@ def active_runner():
     return _RUNNERS[-1] if _RUNNERS else None
 
 
-def _wrapped_backward(tensors, grad_tensors=None, *args, **kwargs):
+def _around_backward(proceed, tensors, grad_tensors, args, kwargs):
     runner = _RUNNERS[-1] if _RUNNERS else None
-    orig = _ORIG_BACKWARD
     if runner is None or not runner._listening():
-        return orig(tensors, grad_tensors, *args, **kwargs)
+        return proceed(tensors, grad_tensors, *args, **kwargs)
     roots = (tensors,) if isinstance(tensors, Tensor) else tuple(tensors)
     grads = (grad_tensors,) if isinstance(grad_tensors, Tensor) or grad_tensors is None \
         else tuple(grad_tensors)
     runner._before_backward(roots, grads)
-    result = orig(tensors, grad_tensors, *args, **kwargs)
+    result = proceed(tensors, grad_tensors, *args, **kwargs)
     runner._after_backward(roots)
     return result
 
 
 def _patch_backward() -> None:
-    global _ORIG_BACKWARD
-    if _ORIG_BACKWARD is None:
-        _ORIG_BACKWARD = torch.autograd.backward
-        torch.autograd.backward = _wrapped_backward
+    _autograd_patch.add(_around_backward)
 
 
 def _unpatch_backward() -> None:
-    global _ORIG_BACKWARD
-    if _ORIG_BACKWARD is not None:
-        if torch.autograd.backward is _wrapped_backward:
-            torch.autograd.backward = _ORIG_BACKWARD
-        _ORIG_BACKWARD = None
+    _autograd_patch.remove(_around_backward)
 
 
 def _tensors(x, depth=0):
@@ -249,7 +242,7 @@ class Runner:
     def _listening(self) -> bool:
         # only the innermost runner (scan() inside the CLI's) hears the events
         return (self._started and not self._busy and _get_ident() == self._owner
-                and _RUNNERS and _RUNNERS[-1] is self)
+                and _RUNNERS and _RUNNERS[-1] is self and not _replay._depth)
 
     # -- what is known ------------------------------------------------------------------
     def _params(self, optimizer=None) -> list:

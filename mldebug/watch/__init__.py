@@ -101,9 +101,10 @@ class _CallableModule(_types.ModuleType):
     work, in any import order.
     """
 
-    def __call__(self, on_violation=None, break_on=("nan", "inf"), allow=(), action="break"):
+    def __call__(self, on_violation=None, break_on=("nan", "inf"), allow=(), action="break",
+                 exact=False):
         return _core.watch(on_violation=on_violation, break_on=break_on, allow=allow,
-                           action=action)
+                           action=action, exact=exact)
 
 
 _sys.modules[__name__].__class__ = _CallableModule

@@ -25,10 +25,14 @@ import torch.optim.optimizer as _optim_hooks
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .. import autograd_patch as _autograd_patch
 from .. import frames as _frames
+from .. import replay as _replay
 from ..errors import NonFiniteError, UsageError
+from . import tiers as _tiers
 from .context import ModuleNames
 from .ops import OpInfo, argument_name, matches
+from .tiers import RootCall, TierState, flat_tensors
 
 _F32 = torch.float32
 _LOW = frozenset(d for d in (torch.float16, torch.bfloat16,
@@ -163,7 +167,12 @@ class _Mode(TorchDispatchMode):
         if info is None:
             info = self.w._info(func)
         w = self.w
-        if info.skip or w._skip:
+        if w._skip:
+            op = info.op
+            return op(*args, **kwargs) if kwargs else op(*args)
+        if w._open:
+            w._mark_used(args)
+        if info.skip:
             op = info.op
             return op(*args, **kwargs) if kwargs else op(*args)
         if w._pending:
@@ -229,10 +238,19 @@ class Watch:
     `violations` lists what was reported; `seen` counts non-finite outputs judged.
     """
 
-    def __init__(self, on_violation=None, break_on=("nan", "inf"), allow=(), action="break"):
+    def __init__(self, on_violation=None, break_on=("nan", "inf"), allow=(), action="break",
+                 exact=False):
         from ..session import parse_break_on
         if action not in ("break", "raise"):
             raise UsageError(f"action must be 'break' or 'raise', action={action!r}")
+        if not isinstance(exact, bool):
+            raise UsageError(f"exact must be True or False, exact={exact!r}")
+        # exact: the per-op check everywhere (no tiers, no replays; slower). Otherwise
+        # module calls and backward are checked by sentinels and replayed (tiers.py).
+        self.exact = exact
+        self._t = TierState()
+        self._open = self._t.open   # read on every op (same dict, never rebound)
+        self._judged = 0            # non-finite outputs judged by the exact check
         self.break_on = parse_break_on(break_on)
         self.allow = tuple([allow] if isinstance(allow, str) else allow)
         self.action = action
@@ -282,6 +300,8 @@ class Watch:
                 _optim_hooks.register_optimizer_step_pre_hook(self._optimizer_pre),
                 _optim_hooks.register_optimizer_step_post_hook(self._optimizer_post),
             ]
+            if not self.exact:
+                _autograd_patch.add(self._around_backward)
         except BaseException:
             self._close_mode()
             raise
@@ -310,7 +330,10 @@ class Watch:
             for handle in self._handles:
                 handle.remove()
             self._handles = []
+            _autograd_patch.remove(self._around_backward)
             self._close_mode()
+            self._t = TierState()
+            self._open = self._t.open
             self._pending = []
             self._win = []
             self._stash = []
@@ -322,6 +345,9 @@ class Watch:
     def _close_mode(self):
         mode, self._mode = self._mode, None
         if mode is None:
+            return
+        if self._t.popped:       # off the stack already (closed inside a module call)
+            self._t.popped = False
             return
         n = torch._C._len_torch_dispatch_stack()
         if n and torch._C._get_dispatch_stack_at(n - 1) is mode:
@@ -375,8 +401,24 @@ class Watch:
         if self._stash:
             self._deliver_stash()
         top = self._top
+        t = self._t
         if top is None:
             self._names.roots.add(module)
+            if not (self.exact or t.popped or t.replaying or t.in_backward or self._opt_depth):
+                # an outermost call: exact mode off inside, sentinels on (tiers.py)
+                t.cuda_rng = torch.cuda.is_initialized()
+                t.start_rng = _tiers.rng_state(t.cuda_rng)
+                t.flag = None
+                t.done = False
+                t.last_out = None
+                t.popped = _tiers.pop_if_top(self._mode)
+                if t.popped:
+                    self._top = (module, None, t.start_rng)
+                    return None
+        elif t.popped:
+            # the RNG as this call starts: a replay of just this call draws the same
+            self._top = (module, top, _tiers.rng_state(t.cuda_rng))
+            return None
         self._top = (module, top)
         return None
 
@@ -384,6 +426,11 @@ class Watch:
         if self._skip or _get_ident() != self._owner:
             return None
         top = self._top
+        t = self._t
+        if t.popped and output is not None and top is not None and top[0] is module:
+            self._sentinel(output, top)
+            if t.flag is not None and t.flag[0] is top and not t.done:
+                self._flagged_call(module, args, output, top)
         if top is not None and top[0] is module:
             self._top = top[1]
         else:  # unbalanced (a hook-less exit): unwind to the module if it is on the stack
@@ -392,8 +439,13 @@ class Watch:
                 record = record[1]
             if record is not None:
                 self._top = record[1]
-        if self._top is None and self._win:
-            self._flush_window()
+        if self._top is None:
+            if t.popped:
+                _tiers.push(self._mode)
+                t.popped = False
+                self._root_end(module, args, output)
+            if self._win:
+                self._flush_window()
         return None
 
     def _optimizer_pre(self, optimizer, args, kwargs):
@@ -403,6 +455,7 @@ class Watch:
             self._deliver_stash()
         if self._win:
             self._flush_window()
+        self._forget_calls()     # parameters change: earlier calls cannot be replayed
         self._opt_depth += 1
         self._optimizer = optimizer
         self._opt_seen = True
@@ -416,6 +469,362 @@ class Watch:
         self._opt_depth = max(0, self._opt_depth - 1)
         self._steps += 1
         return None
+
+    # -- tiers: sentinels inside module calls, replays (see tiers.py) ------------------
+    def _own_ops(self):
+        """mldebug's own ops (counts, summaries) off the exact mode and unwatched."""
+        stack = _tiers.contextlib.ExitStack()
+        stack.enter_context(self.suspended())
+        stack.enter_context(_tiers.mode_off(self._mode))
+        return stack
+
+    def _sentinel(self, output, record):
+        """A module's output, checked with one sum per tensor while the exact mode is off."""
+        t = self._t
+        outs = (output,) if isinstance(output, Tensor) else flat_tensors(output)
+        for out in outs:
+            if out is t.last_out:
+                continue            # a parent returning its child's output
+            sum_dtype = _SUM_DTYPE.get(out.dtype, 0)
+            if sum_dtype == 0 or not _checkable(out):
+                continue
+            d = out.detach()        # no autograd node for our own sum
+            if out.requires_grad and _grad_enabled():
+                # the gradient of this output, checked when the real backward runs
+                out.register_hook(_GradSentinel(self, record))
+            if d.is_cpu:
+                s = d.sum() if sum_dtype is None else d.sum(dtype=sum_dtype)
+                if not _isfinite(s.item()) and t.flag is None:
+                    self._sentinel_flag(out, record)
+            else:
+                t.device_sums.append((d.sum(dtype=_F32), weakref.ref(out), record))
+        if outs:
+            t.last_out = outs[-1]
+
+    def _sentinel_flag(self, out, record):
+        counts = _counts(out)
+        if sum(counts):             # (else: a finite sum that overflowed)
+            self._t.flag = (record, counts)
+
+    def _flush_device_sums(self):
+        t = self._t
+        sums, t.device_sums = t.device_sums, []
+        try:
+            flags = torch.isfinite(torch.stack([s for s, _, _ in sums]))
+            if bool(flags.all()):     # the one sync of the outermost call
+                return
+            flagged = (~flags).nonzero().flatten().tolist()
+        except Exception:             # mixed devices: one read per entry
+            flagged = [i for i, e in enumerate(sums) if not _isfinite(float(e[0]))]
+        for i in flagged:
+            _, ref, record = sums[i]
+            out = ref()
+            if out is not None and t.flag is None:
+                self._sentinel_flag(out, record)
+
+    def _flagged_call(self, module, args, output, record):
+        """A sentinel flagged this call's output (or a call inside it deferred to it).
+        If its inputs were already non-finite, the value was made before it, by its
+        caller's own code: defer to the caller. Else replay this call under the exact
+        mode, which stops at the op that made the value."""
+        t = self._t
+        counts = t.flag[1]
+        key = (id(module), tuple(c > 0 for c in counts))
+        if key in t.fruitless:
+            t.flag = None             # replayed before: judged, not a stop
+            return
+        kwargs = _tiers.call_kwargs(_caller(1))
+        parent = record[1]
+        if parent is not None and _tiers.any_nonfinite((args, kwargs)):
+            t.flag = (parent, counts)
+            return
+        t.flag = None
+        rng = record[2] if len(record) > 2 else t.start_rng
+        _tiers.push(self._mode)       # the replay runs under the exact mode
+        try:
+            self._replay_forward(module, args, kwargs, rng, output, record, counts, key)
+        finally:
+            _tiers.pop_if_top(self._mode)
+
+    def _root_end(self, module, args, output):
+        """The outermost call returned (exact mode back on): replay it if a device
+        sentinel flagged it; remember it for a backward replay if its output needs a
+        gradient."""
+        t = self._t
+        if t.device_sums:
+            with self._own_ops():
+                self._flush_device_sums()
+        flag, t.flag = t.flag, None
+        rng, t.start_rng = t.start_rng, None
+        t.last_out = None
+        if output is None or rng is None:
+            return                    # the call raised
+        if t.done:
+            # a stop was made in this call: what it returns descends from it
+            self._taint_outputs(flat_tensors(output), True)
+        kwargs = None
+        if flag is not None and not t.done:
+            record, counts = flag
+            key = (id(module), tuple(c > 0 for c in counts))
+            if key not in t.fruitless:
+                kwargs = _tiers.call_kwargs(_caller(1))
+                self._replay_forward(module, args, kwargs, rng, output, (module, None),
+                                     counts, key)
+        if not _grad_enabled():
+            return
+        outs = flat_tensors(output)
+        if not any(o.requires_grad for o in outs):
+            return
+        if kwargs is None:
+            kwargs = _tiers.call_kwargs(_caller(1))
+        call = RootCall(module, args, kwargs, rng, _tiers.autocast_state(), outs)
+        t.calls.append(call)
+        for pos, o in enumerate(outs):
+            if o.requires_grad:
+                t.open[id(o)] = (call, pos)
+        if len(t.calls) > _tiers.MAX_CALLS:
+            self._forget_calls(t.calls[:1])
+
+    def _forget_calls(self, calls=None):
+        t = self._t
+        if calls is None:
+            t.calls = []
+            t.open.clear()
+            return
+        gone = {id(c) for c in calls}
+        t.calls = [c for c in t.calls if id(c) not in gone]
+        for key in [k for k, (c, _) in t.open.items() if id(c) in gone]:
+            del t.open[key]
+
+    def _mark_used(self, args):
+        """An op outside modules reads an outermost call's output: the loss region's
+        gradient flows into it (the dry run of `_around_backward` computes it). Its
+        autograd edge is kept (the tensor object itself is often a temporary)."""
+        found = self._open
+        for a in args:
+            if isinstance(a, Tensor):
+                hit = found.get(id(a))
+                if hit is not None and hit[0].outs[hit[1]]() is a:
+                    hit[0].use(hit[1], a)
+            elif type(a) is list or type(a) is tuple:
+                for x in a:
+                    hit = found.get(id(x)) if isinstance(x, Tensor) else None
+                    if hit is not None and hit[0].outs[hit[1]]() is x:
+                        hit[0].use(hit[1], x)
+
+    def _replay(self, module, args, kwargs, rng, autocast, grads=None, record=None) -> str:
+        """Run the call again under the exact mode (and its backward from GRADS, the
+        gradients of its outputs by position); '' or why it could not run."""
+        t = self._t
+        t.replaying += 1
+        prev_top = self._top
+        try:
+            with _tiers.replay_context(rng, autocast, module), \
+                    (torch.enable_grad() if grads else _tiers.contextlib.nullcontext()):
+                self._top = record if record is not None else (module, None)
+                try:
+                    out = module.forward(*args, **kwargs)
+                finally:
+                    self._top = prev_top
+                if grads:
+                    flat = flat_tensors(out)
+                    pairs = [(flat[pos], g) for pos, g in grads.items()
+                             if pos < len(flat) and g is not None and flat[pos].requires_grad]
+                    inputs = _tiers.grad_inputs(module, args)
+                    if pairs and inputs:
+                        torch.autograd.grad([o for o, _ in pairs], inputs,
+                                            [g for _, g in pairs], allow_unused=True)
+            return ""
+        except NonFiniteError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the original call succeeded: never fail it
+            return f"re-running it raised {type(exc).__name__}: {exc}"
+        finally:
+            self._top = prev_top
+            t.replaying -= 1
+            self._pending = []
+
+    def _replay_forward(self, module, args, kwargs, rng, output, record, counts, key):
+        t = self._t
+        n0, j0 = len(self.violations), self._judged
+        reason = ""
+        try:
+            reason = self._replay(module, args, kwargs, rng, _tiers.autocast_state(),
+                                  record=record)
+        finally:
+            stopped = len(self.violations) > n0
+            self._taint_outputs(flat_tensors(output), stopped)
+        if stopped:
+            t.done = True     # what flows on from it in this call is not a new stop
+            return
+        if self._judged > j0:
+            # judged and not a stop (a constant Inf, an allowed op, a known NaN): the
+            # same pattern again needs no replay
+            if len(t.fruitless) < _tiers.MAX_PATTERNS:
+                t.fruitless[key] = True
+            return
+        t.done = True
+        self._report_unpinned("forward", counts, record=record, reason=reason)
+
+    def _taint_outputs(self, tensors, lineage):
+        with self._own_ops():
+            for out in tensors:
+                if _floating(out) and _checkable(out):
+                    c = _counts(out)
+                    if sum(c):
+                        self._taint_add(out, c[0] > 0, c[1] + c[2] > 0, lineage)
+
+    def _around_backward(self, proceed, tensors, grad_tensors, args, kwargs):
+        """`loss.backward()`: the loss region exactly (dry run), the model's backward
+        without the mode, then one check of the gradients; a bad one is replayed."""
+        t = self._t
+        if (self._skip or self.exact or _get_ident() != self._owner or t.in_backward
+                or t.replaying or not t.calls):
+            return proceed(tensors, grad_tensors, *args, **kwargs)
+        opts = dict(zip(("retain_graph", "create_graph", "grad_variables", "inputs"), args))
+        opts.update(kwargs)
+        if opts.get("create_graph") or opts.get("inputs") is not None \
+                or opts.get("grad_variables") is not None:
+            return proceed(tensors, grad_tensors, *args, **kwargs)
+        roots = [tensors] if isinstance(tensors, Tensor) else list(tensors)
+        root_ids = {id(r) for r in roots}
+        targets = []     # (call, position, tensor or autograd edge of that output)
+        for call in t.calls:
+            for pos, ref in enumerate(call.outs):
+                o = ref() if ref is not None else None
+                if o is not None and id(o) in root_ids:
+                    targets.append((call, pos, o))
+                elif pos in call.used:
+                    targets.append((call, pos, call.used[pos]))
+        if not targets:
+            return proceed(tensors, grad_tensors, *args, **kwargs)   # exact all through
+        n0 = len(self.violations)
+        try:
+            with _replay.replaying():
+                grads = torch.autograd.grad(roots, [o for _, _, o in targets], grad_tensors,
+                                            retain_graph=True, allow_unused=True)
+        except NonFiniteError:
+            raise
+        except Exception:  # noqa: BLE001 - the real call raises what it raises, checked
+            return proceed(tensors, grad_tensors, *args, **kwargs)
+        for (call, pos, _), g in zip(targets, grads):
+            if g is not None:
+                call.grads[pos] = g
+        stopped = len(self.violations) > n0
+        calls = []
+        for call, _, _ in targets:
+            if call not in calls:
+                calls.append(call)
+        popped = _tiers.pop_if_top(self._mode)
+        t.bflag = None
+        suspect = None
+        t.in_backward += 1
+        try:
+            result = proceed(tensors, grad_tensors, *args, **kwargs)
+            if not stopped and not self._skip:
+                suspect = self._suspect_grads(calls)   # (with the mode still off)
+        finally:
+            t.in_backward -= 1
+            if popped:
+                _tiers.push(self._mode)
+        try:
+            if not stopped and not self._skip and suspect is not None:
+                self._pin_backward(calls, *suspect)
+        finally:
+            if not opts.get("retain_graph"):
+                self._forget_calls(calls)
+        return result
+
+    def _suspect_grads(self, calls):
+        """After the real backward (exact mode still off): None when every gradient is
+        finite, else (bad [(param, counts)], new of those, first bad output gradient)."""
+        t = self._t
+        leaves = []
+        for call in calls:
+            leaves.extend(_tiers.grad_inputs(call.module, call.args))
+        bflag, t.bflag = t.bflag, None
+        if bflag is None and not _tiers.nonfinite_grads(leaves):
+            t.judged_grads.clear()
+            return None
+        bad = []
+        for p in leaves:
+            if p.grad is not None and _floating(p.grad):
+                c = _counts(p.grad)
+                if sum(c):
+                    bad.append((p, c))
+        if not bad and bflag is None:
+            return None              # a sum that overflowed
+        new = [b for b in bad if id(b[0]) not in t.judged_grads]
+        t.judged_grads = {id(p) for p, _ in bad}
+        if not new and bflag is None:
+            return None              # already judged (accumulating into a bad .grad)
+        return bad, new, bflag
+
+    def _pin_backward(self, calls, bad, new, bflag):
+        """Replay the calls' forward and backward under the exact mode (latest first:
+        backward meets them in that order) until one stops."""
+        n0, j0 = len(self.violations), self._judged
+        reasons = []
+        try:
+            for call in reversed(calls):
+                if call.grads:
+                    reason = self._replay(call.module, call.args, call.kwargs,
+                                          (call.cpu_rng, call.cuda_rng), call.autocast,
+                                          call.grads)
+                    if reason:
+                        reasons.append(reason)
+                    if len(self.violations) > n0:
+                        break
+        finally:
+            stopped = len(self.violations) > n0
+            for p, c in bad:
+                self._taint_add(p.grad, c[0] > 0, c[1] + c[2] > 0, stopped)
+        if stopped or self._judged > j0:
+            return
+        if not new:
+            record, counts = bflag
+            self._report_unpinned("backward", counts, record=record, reason="; ".join(
+                reasons) or "a re-run of the model's call and its backward made only finite "
+                "gradients (the call is not repeatable)")
+            return
+        p, counts = new[0]
+        self._report_unpinned("backward", counts, param=p,
+                              reason="; ".join(reasons) or "a re-run of the model's call and "
+                              "its backward made only finite gradients (the Inf/NaN comes "
+                              "from code outside the model's modules, e.g. a loss term that "
+                              "uses the parameter directly, or the call is not repeatable)")
+
+    def _report_unpinned(self, stage, counts, record=None, param=None, reason=""):
+        """A sentinel saw a NaN/Inf that the replay could not narrow to one op: still a
+        stop, at module (forward) or parameter (backward) level, saying why."""
+        nan, posinf, neginf = counts
+        kind = "nan" if nan else "inf"
+        if kind not in self.break_on and not (kind == "inf" and "inf-all" in self.break_on):
+            return
+        from ..session import Violation
+        frame = _frames.user_frame(_caller(1))
+        file, line, function = _frames.location(frame)
+        name = ""
+        if param is not None:
+            name = self._names.param(param)
+            module, module_type = self._names.owner(name)
+            what = f"the gradient of {name or 'a parameter'}"
+        else:
+            module, module_type = self._names.path(record)
+            what = f"the output of {module or module_type or 'a module'}"
+        patterns = tuple(_ALLOWED) + self.allow
+        if patterns and module and matches(patterns, (module,)):
+            return
+        text = f"{what} is not finite; the op that made it was not pinned"
+        if reason:
+            text += f": {reason}"
+        with self._own_ops():
+            output = _summary(param.grad) if param is not None else None
+        v = Violation(kind=kind, op="", torch_op="", module=module, module_type=module_type,
+                      stage=stage, frame=frame, file=file, line=line, function=function,
+                      nan=nan, posinf=posinf, neginf=neginf, created=True, culprit="",
+                      output=output, param=name, step=self._steps if self._opt_seen else None, text=text)
+        self._report(v)
 
     # -- provenance for backward -----------------------------------------------------
     def _provenance(self, info):
@@ -606,6 +1015,7 @@ class Watch:
         """Apply the stop rule to one non-finite output; return a Violation or None."""
         nan, posinf, neginf = counts
         out_nan = nan > 0
+        self._judged += 1
         try:
             bad_ptr = bad.untyped_storage().data_ptr()
         except Exception:
@@ -749,8 +1159,11 @@ class Watch:
         non-Exception errors (BatchStop) nor will the modules' always-call hooks."""
         if v.stage == "optimizer":
             self._opt_depth = 0
-        if not issubclass(exception_type, Exception):
+        if not issubclass(exception_type, Exception) and not self._t.replaying:
             self._top = None
+            if self._t.popped:         # the outermost call's post hook will not run
+                _tiers.push(self._mode)
+                self._t.popped = False
         self._pending = []
 
     def _deliver_stash(self):
@@ -840,6 +1253,33 @@ class Watch:
             self._slow(func, info, args, kwargs, outs, entry, note)
 
 
+class _GradSentinel:
+    """Tensor hook on a module output: its gradient, checked with one sum during the
+    real backward (where the exact mode is off); the first bad one flags the backward."""
+
+    __slots__ = ("w", "record")
+
+    def __init__(self, watch, record):
+        self.w = watch
+        self.record = record
+
+    def __call__(self, grad):
+        t = self.w._t
+        if t.in_backward and t.bflag is None and isinstance(grad, Tensor) \
+                and _SUM_DTYPE.get(grad.dtype, 0) != 0 and _checkable(grad):
+            if grad.is_cpu:
+                sum_dtype = _SUM_DTYPE[grad.dtype]
+                s = grad.sum() if sum_dtype is None else grad.sum(dtype=sum_dtype)
+                bad = not _isfinite(s.item())
+            else:   # one sync per module output on devices: flag via the param check
+                bad = False
+            if bad:
+                counts = _counts(grad)
+                if sum(counts):
+                    t.bflag = (self.record, counts)
+        return None
+
+
 def _weak(value):
     """Tensors (also inside lists, tuples and dicts) replaced by weak references."""
     if isinstance(value, Tensor):
@@ -908,8 +1348,13 @@ def allow(*patterns) -> Allowed:
     return Allowed(patterns)
 
 
-def watch(on_violation=None, break_on=("nan", "inf"), allow=(), action="break") -> Watch:
+def watch(on_violation=None, break_on=("nan", "inf"), allow=(), action="break",
+          exact=False) -> Watch:
     """Start watching every op for NaN/Inf; returns the running `Watch` (close() it, or
-    use it as a context manager)."""
+    use it as a context manager).
+
+    exact=False (default): inside module calls and backward, cheap sentinels check
+    module outputs and gradients, and a flagged call is re-run under the per-op check to
+    find its op (see tiers.py). exact=True: the per-op check everywhere, no re-runs."""
     return Watch(on_violation=on_violation, break_on=break_on, allow=allow,
-                 action=action).start()
+                 action=action, exact=exact).start()

@@ -1,0 +1,234 @@
+"""Cost of `mldebug.record()` and of the CLI's step history, as ratios to the plain step.
+
+    python benchmarks/bench_record.py [--quick] [--models mlp,cnn] [--device cpu|cuda]
+
+One process; for each model the variants run interleaved, repetition after repetition,
+each on its own copy of the model (same weights), and the median step time of each is
+printed as a ratio to plain. A step is zero_grad + forward + backward + optimizer step
+(the MLP and ResNet-18-like CNN of bench_watch.py).
+
+    plain2          a second plain copy: the noise floor of the measurement
+    record@1        all four logs (io, io_grad, params, params_grad), every step
+    record@100:off  every=100, the steps that are not recorded (median step)
+    record@100      every=100 amortized: (recorded + 99 unrecorded) / 100
+    history         the CLI's default history (with the graph capture the CLI runs),
+                    against the graph capture alone ("capture")
+    texp@1, texp@100:off, texp@100
+                    torchexplorer.watch(log=all four, log_freq=1 / 100, backend='none'),
+                    when installed. Its graphviz layout needs the `dot` program and its
+                    imports wandb and loguru: missing ones are replaced by stubs and the
+                    layout by a no-op, so what is measured is its hooks and histograms
+                    (the peer's real cost is higher). Its backward hooks refuse in-place
+                    ops, so its model copy runs with `disable_inplace=True` (its own
+                    option; the ReLUs then allocate). Skipped with a message when missing.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+import time
+import types
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_watch import MODELS, step, sync  # noqa: E402
+
+import mldebug  # noqa: E402
+from mldebug.graph import Capture  # noqa: E402
+from mldebug.record.history import History  # noqa: E402
+
+LOGS = ("io", "io_grad", "params", "params_grad")
+
+
+def load_torchexplorer():
+    """torchexplorer.watch, or None with the reason."""
+    for name in ("wandb", "loguru"):
+        try:
+            __import__(name)
+        except ImportError:
+            stub = types.ModuleType(name)
+            if name == "wandb":
+                stub.run = None
+            else:
+                class _Logger:
+                    def __getattr__(self, _):
+                        return lambda *a, **k: self
+                stub.logger = _Logger()
+            sys.modules[name] = stub
+    try:
+        import torchexplorer
+        from torchexplorer.api import api
+    except Exception as exc:  # noqa: BLE001
+        return None, f"{type(exc).__name__}: {exc}"
+    api.layout.layout = lambda structure, cache=None, *a, **k: (None, cache)
+    return torchexplorer.watch, ""
+
+
+class Variant:
+    """A model copy with something attached; `steps(n)` returns per-step times."""
+
+    def __init__(self, name, base, device, attach):
+        self.name = name
+        model, loss_fn, opt = base
+        self.model = copy.deepcopy(model)
+        self.opt = type(opt)(self.model.parameters(), **opt.defaults)
+        self.loss_fn = _rebind(loss_fn, model, self.model)
+        self.device = device
+        self.attach = attach
+        self.handle = None
+        self.count = 0          # steps run on this copy so far
+
+    def steps(self, n):
+        """[(index of the step on this copy, seconds)] for N steps."""
+        times = []
+        with self.attach(self) as h:
+            self.handle = h
+            for _ in range(n):
+                sync(self.device)
+                t0 = time.perf_counter()
+                step(self.model, self.loss_fn, self.opt)
+                sync(self.device)
+                times.append((self.count, time.perf_counter() - t0))
+                self.count += 1
+        return times
+
+
+def _rebind(loss_fn, old, new):
+    """The bench_watch loss closure calls its own model: call the copy instead."""
+    cells = [c.cell_contents for c in loss_fn.__closure__ or ()]
+    x = next(c for c in cells if isinstance(c, torch.Tensor) and c.is_floating_point())
+    y = next(c for c in cells if isinstance(c, torch.Tensor) and not c.is_floating_point())
+    import torch.nn.functional as F
+    return lambda: F.cross_entropy(new(x), y)
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def make_variants(base, device, run_dir, texp):
+    def rec(every):
+        return lambda v: mldebug.record(v.model, log=LOGS, every=every, run_dir=run_dir,
+                                        run=f"bench-{every}")
+
+    class CaptureOnly:
+        def __init__(self, v):
+            self.c = Capture()
+
+        def __enter__(self):
+            self.c.start()
+
+        def __exit__(self, *exc):
+            self.c.close()
+
+    class CaptureHistory(CaptureOnly):
+        def __init__(self, v):
+            super().__init__(v)
+            self.h = v.__dict__.setdefault("_history", History())  # keeps its stride
+
+        def __enter__(self):
+            self.c.start()
+            self.h.start()
+
+        def __exit__(self, *exc):
+            self.h.close()
+            self.c.close()
+
+    variants = {
+        "plain": lambda v: _Null(),
+        "plain2": lambda v: _Null(),   # a second plain copy: the noise floor
+        "record@1": rec(1),
+        "record@100": rec(100),
+        "capture": CaptureOnly,
+        "history": CaptureHistory,
+    }
+    if texp is not None:
+        def peer(freq):
+            def attach(v):
+                if not getattr(v, "_watched", False):
+                    # disable_inplace: its full backward hooks refuse in-place ReLU
+                    texp(v.model, log=list(LOGS), log_freq=freq, backend="none",
+                         disable_inplace=True)
+                    v._watched = True
+                return _Null()
+            return attach
+        variants["texp@1"] = peer(1)
+        variants["texp@100"] = peer(100)
+    return {k: Variant(k, base, device, a) for k, a in variants.items()}
+
+
+def measure(name, device, reps, per, run_dir, texp):
+    torch.manual_seed(0)
+    base = MODELS[name](device)
+    vs = make_variants(base, device, run_dir, texp)
+    times = {k: [] for k in vs}
+    for v in vs.values():                       # warm-up
+        v.steps(2)
+    for _ in range(reps):
+        for k, v in vs.items():
+            t = v.steps(per)
+            if k == "record@100":
+                # a new recorder each block: its step 0 is recorded; the two steps after
+                # it share the machine with its write and are left out of ':off'
+                times.setdefault(k + ":rec", []).append(t[0][1])
+                times.setdefault(k + ":off", []).extend(x for _, x in t[3:])
+            elif k.endswith("@100"):
+                # the peer counts steps on its model copy: every 100th is recorded
+                for i, x in t:
+                    times.setdefault(k + (":rec" if i % 100 == 0 else ":off"), []).append(x)
+            else:
+                times[k] += [x for _, x in t]
+    med = {k: statistics.median(v) for k, v in times.items() if v}
+    for k in list(med):
+        if k.endswith(":rec"):
+            base_k = k[:-4]
+            med[base_k] = (med[k] + 99 * med[base_k + ":off"]) / 100
+    return med
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--models", default="mlp,cnn")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    texp, why = load_torchexplorer()
+    reps = {"mlp": 80, "cnn": 10} if not args.quick else {"mlp": 30, "cnn": 4}
+    per = {"mlp": 8, "cnn": 5}
+    load = os.getloadavg()
+    print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, "
+          f"{'quick' if args.quick else 'full'}, load average {load[0]:.2f} {load[1]:.2f} "
+          f"{load[2]:.2f} on {os.cpu_count()} cpus")
+    if texp is None:
+        print(f"torchexplorer: skipped ({why}); pip install torchexplorer --no-deps to compare")
+    cols = ["plain2", "record@1", "record@100:off", "record@100", "capture", "history"]
+    if texp is not None:
+        cols += ["texp@1", "texp@100:off", "texp@100"]
+    print(f"{'model':6} {'plain ms':>9} " + " ".join(f"{c:>14}" for c in cols)
+          + f" {'history/capture':>16}")
+    with tempfile.TemporaryDirectory() as run_dir:
+        for name in args.models.split(","):
+            med = measure(name, args.device, reps[name], per[name], run_dir, texp)
+            base = med["plain"]
+            cells = " ".join(f"{med[c] / base:>13.3f}x" for c in cols)
+            print(f"{name:6} {base * 1e3:>9.2f} {cells} {med['history'] / med['capture']:>15.3f}x",
+                  flush=True)
+    load = os.getloadavg()
+    print(f"load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

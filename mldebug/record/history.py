@@ -1,0 +1,279 @@
+"""The short in-memory history the CLI keeps while it runs a program: for the last
+`STEPS` optimizer steps, the L2 norm of every parameter and of its gradient, read just
+before the optimizer updates them. At a NaN stop, `history` shows the culprit module's
+rows (a weight norm climbing before the overflow).
+
+Cost: one `torch._foreach_norm` over the values and one over the grads per recorded step,
+one host transfer. The history measures its own time against the step time and records
+every 2nd, 4th, ... step when it would take more than `budget` (default 1%) of the
+program's time; the rows say which steps they are. `--history off` turns it off.
+
+Names come from the graph capture (the outermost module of the latest forward pass);
+parameters of other modules are named 'param N of optimizer M'.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import sys
+import time
+import weakref
+from typing import Optional
+
+import torch
+from torch.optim import optimizer as _optim_hooks
+
+STEPS = 20
+BUDGET = 0.01
+MAX_STRIDE = 64
+MIN_COST_S = 250e-6   # below this per recorded step the history never thins out
+WARMUP = 3            # recorded steps before the cost is judged (first calls are slow)
+_ACTIVE: Optional["History"] = None
+
+
+def active_history() -> Optional["History"]:
+    return _ACTIVE
+
+
+class _Quiet:
+    def __enter__(self):
+        self._g = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
+        self._w = None
+        core = sys.modules.get("mldebug.watch.core")
+        if core is not None and core.active_watch() is not None:
+            self._w = core.active_watch().suspended()
+            self._w.__enter__()
+
+    def __exit__(self, *exc):
+        if self._w is not None:
+            self._w.__exit__(*exc)
+        torch.set_grad_enabled(self._g)
+
+
+class History:
+    """Ring buffer of parameter / gradient norms per optimizer step. `close()` removes
+    its two optimizer hooks (idempotent)."""
+
+    def __init__(self, steps: int = STEPS, budget: float = BUDGET):
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, steps={steps}")
+        self.rows = collections.deque(maxlen=steps)   # (step, {name: (norm, grad_norm)})
+        self.budget = budget
+        self.stride = 1
+        self.step = 0                 # optimizer steps completed
+        self._handles: list = []
+        self._names = weakref.WeakKeyDictionary()    # root module -> {id(param): name}
+        self._opt_ids = weakref.WeakKeyDictionary()  # optimizer -> index
+        self._last_post: Optional[float] = None
+        self._own = 0.0               # seconds spent in this step's recording
+        self._ratio = 0.0             # EMA of own time / step time, amortized
+        self._warned = False
+
+    def start(self) -> "History":
+        global _ACTIVE
+        if not self._handles:
+            self._handles = [_optim_hooks.register_optimizer_step_pre_hook(self._pre),
+                             _optim_hooks.register_optimizer_step_post_hook(self._post)]
+            _ACTIVE = self
+        return self
+
+    def close(self) -> None:
+        global _ACTIVE
+        while self._handles:
+            self._handles.pop().remove()
+        if _ACTIVE is self:
+            _ACTIVE = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- hooks -----------------------------------------------------------------------
+    def _pre(self, optimizer, args, kwargs):
+        if self.step % self.stride:
+            return None
+        t0 = time.perf_counter()
+        try:
+            self._record(optimizer)
+        except Exception as exc:  # noqa: BLE001 - the history never breaks the program
+            if not self._warned:
+                self._warned = True
+                import warnings
+                warnings.warn(f"mldebug history: {type(exc).__name__}: {exc}; "
+                              "history is off for this run", RuntimeWarning, stacklevel=2)
+            self.close()
+        self._own += time.perf_counter() - t0
+        return None
+
+    def _post(self, optimizer, args, kwargs):
+        now = time.perf_counter()
+        if self._last_post is not None and self._own and len(self.rows) > WARMUP:
+            # amortized cost: this step's recording over `stride` steps of the program
+            step_time = max(now - self._last_post - self._own, 1e-9)
+            ratio = self._own / (step_time * self.stride)
+            self._ratio = ratio if self._ratio == 0.0 else 0.7 * self._ratio + 0.3 * ratio
+            if self._ratio > self.budget and self._own > MIN_COST_S and self.stride < MAX_STRIDE:
+                self.stride *= 2
+                self._ratio /= 2
+            elif self._ratio < self.budget / 4 and self.stride > 1:
+                self.stride //= 2
+                self._ratio *= 2
+        self._last_post = now
+        self._own = 0.0
+        self.step += 1
+        return None
+
+    def _param_names(self, optimizer) -> dict:
+        root = _root_module()
+        names = self._names.get(root) if root is not None else None
+        if names is None and root is not None:
+            names = {id(p): n for n, p in root.named_parameters()}
+            try:
+                self._names[root] = names
+            except TypeError:
+                pass
+        return names or {}
+
+    def _record(self, optimizer) -> None:
+        params = [p for g in optimizer.param_groups for p in g["params"]
+                  if isinstance(p, torch.Tensor) and p.is_floating_point()
+                  and p.layout == torch.strided]
+        if not params:
+            return
+        names = self._param_names(optimizer)
+        k = self._opt_ids.setdefault(optimizer, len(self._opt_ids))
+        with_grad = [i for i, p in enumerate(params) if p.grad is not None
+                     and p.grad.layout == torch.strided]
+        with _Quiet():
+            norms = list(torch._foreach_norm([p.detach() for p in params]))
+            if with_grad:
+                norms += list(torch._foreach_norm([params[i].grad.detach() for i in with_grad]))
+            devices = {n.device for n in norms}
+            if len(devices) == 1:
+                host = torch.stack([n.float() for n in norms]).tolist()
+            else:
+                host = [float(n) for n in norms]
+        grads = dict(zip(with_grad, host[len(params):]))
+        row = {}
+        for i, p in enumerate(params):
+            name = names.get(id(p)) or f"param {i} of optimizer {k}"
+            row[name] = (host[i], grads.get(i))
+        if self.rows and self.rows[-1][0] == self.step:   # a second optimizer, same step
+            self.rows[-1][1].update(row)
+        else:
+            self.rows.append((self.step, row))
+
+    # -- reading -----------------------------------------------------------------------
+    def params_of(self, module: str) -> list:
+        """Names of the recorded parameters under MODULE ('' = all), in first-seen order."""
+        seen: dict = {}
+        for _, row in self.rows:
+            for name in row:
+                if not module or name == module or name.startswith(module + "."):
+                    seen.setdefault(name, None)
+        return list(seen)
+
+    def _growth(self, name: str) -> float:
+        vals = [r[name][0] for _, r in self.rows if name in r and r[name][0] is not None]
+        if not vals:
+            return 0.0
+        if not all(math.isfinite(v) for v in vals):
+            return math.inf
+        return vals[-1] / vals[0] if vals[0] > 0 else (math.inf if vals[-1] > 0 else 0.0)
+
+    def to_dict(self) -> dict:
+        """JSON-able: {'steps': [...], 'stride': n, 'params': {name: {'norm': [...],
+        'grad_norm': [...]}}} (None where a step has no value)."""
+        steps = [s for s, _ in self.rows]
+        params: dict = {}
+        for name in self.params_of(""):
+            params[name] = {"norm": [_j(r.get(name, (None, None))[0]) for _, r in self.rows],
+                            "grad_norm": [_j(r.get(name, (None, None))[1]) for _, r in self.rows]}
+        return {"steps": steps, "stride": self.stride, "params": params}
+
+    def format(self, module: str, max_params: int = 3) -> str:
+        """The table `history MODULE` prints."""
+        names = self.params_of(module)
+        label = module or "the model"
+        if not module:   # the whole model: the fastest-growing parameters first
+            names.sort(key=self._growth, reverse=True)
+        if not self.rows:
+            return "history: no optimizer step seen yet (the history records at optimizer.step())"
+        if not names:
+            return (f"history: no parameters under {label!r} were recorded "
+                    f"(recorded: {', '.join(self.params_of('')[:6]) or 'none'})")
+        shown, more = names[:max_params], names[max_params:]
+        steps = [s for s, _ in self.rows]
+        lines = [f"history of {label}: steps {steps[0]}..{steps[-1]} "
+                 f"(L2 norms read before each optimizer update; ∇ = gradient)"]
+        if self.stride > 1:
+            lines.append(f"  (recording every {self.stride} steps now, to stay under "
+                         f"{self.budget:.0%} of the step time)")
+        cols = []
+        for n in shown:
+            cols += [f"‖{n}‖", "‖∇‖"]
+        widths = [max(12, len(c)) for c in cols]
+        lines.append("  " + f"{'step':>6}  " + "  ".join(f"{c:>{w}}" for c, w in zip(cols, widths)))
+        for step, row in self.rows:
+            cells = []
+            for n in shown:
+                v, g = row.get(n, (None, None))
+                cells += [_fmt(v), _fmt(g)]
+            lines.append("  " + f"{step:>6}  " + "  ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
+        for n in shown:
+            first = next((r[n][0] for _, r in self.rows if n in r and _finite(r[n][0])), None)
+            last = next((r[n][0] for _, r in reversed(self.rows) if n in r), None)
+            if first and last is not None and _finite(last) and first > 0 and last / first >= 2:
+                lines.append(f"  ‖{n}‖ grew ×{last / first:.3g} over these steps")
+            elif last is not None and not _finite(last):
+                lines.append(f"  ‖{n}‖ is {_fmt(last)} at step {steps[-1]}")
+        if more:
+            lines.append(f"  (+{len(more)} more parameters: {', '.join(more[:4])}"
+                         f"{' ...' if len(more) > 4 else ''}; `history NAME` shows one)")
+        return "\n".join(lines)
+
+
+def _finite(v) -> bool:
+    return v is not None and math.isfinite(v)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if not math.isfinite(v):
+        return "nan" if v != v else ("inf" if v > 0 else "-inf")
+    if v != 0 and (abs(v) >= 1e5 or abs(v) < 1e-3):
+        return f"{v:.3e}"
+    return f"{v:.4f}"
+
+
+def _j(v):
+    return None if v is None or not math.isfinite(v) else v
+
+
+def _root_module():
+    """The outermost module of the latest forward pass with submodules (graph capture)."""
+    graph = sys.modules.get("mldebug.graph")
+    if graph is None:
+        return None
+    cap = graph.active_capture()
+    g = cap.show() if cap is not None else graph.last_graph()
+    if g is None or not g.roots:
+        return None
+    node = g.nodes.get(g.roots[0])
+    return node.module if node is not None else None
+
+
+def module_of_stop(stop) -> str:
+    """The module a stop points at: its module path, else its parameter's module."""
+    if stop is None:
+        return ""
+    if getattr(stop, "module", ""):
+        return stop.module
+    param = getattr(stop, "param", "")
+    if param:
+        return param.rsplit(".", 1)[0] if "." in param else param
+    return ""

@@ -1,0 +1,761 @@
+"""The Recorder: hooks installed on recorded steps only, stats batched per step, one
+SQLite transaction per recorded step. See `mldebug/record/__init__.py` for the API."""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import os
+import sys
+import threading
+import time
+import warnings
+import weakref
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.optim import optimizer as _optim_hooks
+
+from ..errors import UsageError
+from ..modnames import module_names
+from . import stats as _stats
+from .store import SCALAR_FLUSH_S, Writer, check_run_name, run_path
+
+LOGS = ("io", "io_grad", "params", "params_grad")
+# capture points: torchfunc's ForwardPre, ForwardInput, ForwardOutput, BackwardInput,
+# BackwardOutput
+WHAT = ("pre_input", "input", "output", "input_grad", "output_grad")
+REDUCTIONS = ("sum", "mean", "max", "min", "first", "last")
+_ACTIVE: Optional["Recorder"] = None
+
+
+@dataclasses.dataclass
+class Capture:
+    """Full-tensor capture of chosen modules (torchfunc's recorders as one API).
+
+    modules    what to capture: a path pattern ('encoder.*'), a type, an index into
+               model.modules(), a callable (path, module) -> bool, or a list of those
+    what       'pre_input'   inputs as the forward pre-hook sees them (ForwardPre)
+               'input'       inputs when the module returns (ForwardInput)
+               'output'      outputs (ForwardOutput)
+               'input_grad'  gradient of the loss w.r.t. the inputs (BackwardInput)
+               'output_grad' gradient of the loss w.r.t. the outputs (BackwardOutput)
+    reduction  how the invocations of one step combine: None stores each invocation
+               (call 0, 1, ...); 'sum', 'mean', 'max', 'min', 'first', 'last'; or a
+               callable (accumulated, new) -> accumulated, as torchfunc's reduction
+    index      which tensor of the inputs/outputs (default 0, the first)
+    max_bytes  a tensor larger than this is skipped with one warning
+    """
+
+    modules: object
+    what: str = "output"
+    reduction: object = None
+    index: int = 0
+    max_bytes: int = 64 << 20
+
+    def __post_init__(self):
+        if self.what not in WHAT:
+            raise UsageError(f"Capture what must be one of {', '.join(WHAT)}, what={self.what!r}")
+        if not (self.reduction is None or callable(self.reduction)
+                or self.reduction in REDUCTIONS):
+            raise UsageError(f"Capture reduction must be None, a callable or one of "
+                             f"{', '.join(REDUCTIONS)}, reduction={self.reduction!r}")
+
+
+def _tensors(value, depth: int = 0) -> list:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if depth > 2:
+        return []
+    if isinstance(value, (tuple, list)):
+        out = []
+        for v in value:
+            out.extend(_tensors(v, depth + 1))
+        return out
+    if isinstance(value, dict):
+        out = []
+        for v in value.values():
+            out.extend(_tensors(v, depth + 1))
+        return out
+    return []
+
+
+def _select(model: nn.Module, spec, what: str) -> list:
+    """[(path, module)] chosen by SPEC among model.modules() (what='modules') or
+    model.children() (what='children'); clear errors for bad specs."""
+    names = module_names(model)
+    if what == "children":
+        pool = [(name, m) for name, m in model.named_children()]
+    else:
+        pool = [(names.get(id(m), name), m) for name, m in model.named_modules()]
+    if spec is True or spec == "all":
+        return pool
+    items = spec if isinstance(spec, (list, tuple)) and not (
+        isinstance(spec, tuple) and spec and all(isinstance(s, type) for s in spec)) else [spec]
+    chosen: dict = {}
+    for item in items:
+        found = []
+        if isinstance(item, bool):
+            raise UsageError(f"{what}= takes types, indices, path patterns or callables, "
+                             f"got {item!r}")
+        if isinstance(item, int):
+            if not -len(pool) <= item < len(pool):
+                raise UsageError(f"{what}= index {item} is out of range: the model has "
+                                 f"{len(pool)} {'children' if what == 'children' else 'modules'}")
+            found = [pool[item]]
+        elif isinstance(item, str):
+            found = [(p, m) for p, m in pool if fnmatch.fnmatchcase(p or "(root)", item)]
+        elif isinstance(item, type) or (isinstance(item, tuple) and item):
+            found = [(p, m) for p, m in pool if isinstance(m, item)]
+        elif callable(item):
+            found = [(p, m) for p, m in pool if item(p, m)]
+        else:
+            raise UsageError(f"{what}= takes types, indices, path patterns or callables, "
+                             f"got {item!r}")
+        if not found:
+            raise UsageError(f"{what}={item!r} matched no module of {type(model).__name__}")
+        for p, m in found:
+            chosen.setdefault(id(m), (p, m))
+    return list(chosen.values())
+
+
+class _Quiet:
+    """Around the recorder's own torch work: no autograd, the NaN watch looks away."""
+
+    __slots__ = ("_w", "_grad")
+
+    def __enter__(self):
+        self._grad = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
+        self._w = None
+        core = sys.modules.get("mldebug.watch.core")
+        if core is not None:
+            w = core.active_watch()
+            if w is not None:
+                self._w = w.suspended()
+                self._w.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._w is not None:
+            self._w.__exit__(*exc)
+        torch.set_grad_enabled(self._grad)
+        return False
+
+
+def active_recorder() -> Optional["Recorder"]:
+    return _ACTIVE
+
+
+def _close_at_exit() -> None:
+    """A program that ends without close(): write what is pending, mark the run closed."""
+    if _ACTIVE is not None:
+        _ACTIVE.close()
+
+
+_EXIT_HOOKED = False
+
+
+class Recorder:
+    """A running recording. Context manager; `close()` removes every hook (idempotent).
+
+    Attributes: run (name), path (the .sqlite file), step_index (the step in progress),
+    recording (whether this step is recorded), closed.
+    """
+
+    def __init__(self, model: Optional[nn.Module], log=LOGS, every=1, modules=None,
+                 children=None, condition: Optional[Callable] = None, capture=(),
+                 run_dir: str = "runs", run: Optional[str] = None, note: str = "",
+                 bins: int = 30, sample: int = 1024, clip: Optional[float] = 5.0,
+                 batch_dim: Optional[int] = 0, training_only: bool = True,
+                 if_exists: str = "replace", step: str = "optimizer", background: bool = True):
+        if model is not None and not isinstance(model, nn.Module):
+            raise UsageError(f"record: model must be a torch.nn.Module or None, "
+                             f"got {type(model).__name__}")
+        log = (log,) if isinstance(log, str) else tuple(log)
+        bad = [x for x in log if x not in LOGS]
+        if bad:
+            raise UsageError(f"record: log entries must be among {', '.join(LOGS)}, "
+                             f"got {bad[0]!r}")
+        if isinstance(every, bool) or not (callable(every) or (isinstance(every, int) and every >= 1)):
+            raise UsageError(f"record: every must be an int >= 1 or a callable(step) -> bool, "
+                             f"every={every!r}")
+        if not isinstance(bins, int) or isinstance(bins, bool) or bins < 1:
+            raise UsageError(f"record: bins must be an int >= 1, bins={bins!r}")
+        if not isinstance(sample, int) or isinstance(sample, bool) or sample < 0:
+            raise UsageError(f"record: sample must be an int >= 0 (0: no histograms), "
+                             f"sample={sample!r}")
+        if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
+            raise UsageError(f"record: clip must be a number > 0 or None, clip={clip!r}")
+        if if_exists not in ("replace", "new", "error"):
+            raise UsageError(f"record: if_exists must be 'replace', 'new' or 'error', "
+                             f"if_exists={if_exists!r}")
+        if step not in ("optimizer", "manual"):
+            raise UsageError(f"record: step must be 'optimizer' or 'manual', step={step!r}")
+        if condition is not None and not callable(condition):
+            raise UsageError(f"record: condition must be callable(module, inputs, output) "
+                             f"-> bool, condition={condition!r}")
+        captures = [capture] if isinstance(capture, Capture) else list(capture or ())
+        for c in captures:
+            if not isinstance(c, Capture):
+                raise UsageError(f"record: capture= takes mldebug.record.Capture(...) items, "
+                                 f"got {c!r}")
+        if captures and model is None:
+            raise UsageError("record: capture= needs a model")
+        self.model = model
+        self.log = frozenset(log)
+        self.every = every
+        self.condition = condition
+        self.bins, self.sample, self.clip, self.batch_dim = bins, sample, clip, batch_dim
+        self.training_only = training_only
+        self.manual = step == "manual"
+        name = check_run_name(run) if run is not None else time.strftime("run-%Y%m%d-%H%M%S")
+        path = run_path(run_dir, name)
+        if os.path.exists(path):
+            if if_exists == "error":
+                raise UsageError(f"record: run {name!r} exists in {run_dir!r} "
+                                 f"(if_exists='replace' overwrites, 'new' adds a suffix)")
+            if if_exists == "new":
+                k = 2
+                while os.path.exists(run_path(run_dir, f"{name}-{k}")):
+                    k += 1
+                name = f"{name}-{k}"
+                path = run_path(run_dir, name)
+        self.run, self.path, self.run_dir = name, path, run_dir
+        # modules, parameters, captures
+        self._mods: list = []
+        self._params: list = []        # (name, module path, param)
+        if model is not None:
+            if modules is None and children is None:
+                chosen = _select(model, True, "modules")
+            else:
+                chosen = []
+                if modules is not None:
+                    chosen += _select(model, modules, "modules")
+                if children is not None:
+                    chosen += _select(model, children, "children")
+                seen = set()
+                chosen = [x for x in chosen if not (id(x[1]) in seen or seen.add(id(x[1])))]
+            self._mods = chosen
+            for path_, m in chosen:
+                for pname, p in m.named_parameters(recurse=False):
+                    self._params.append((f"{path_}.{pname}" if path_ else pname, path_, p))
+        self._captures: list = []      # (Capture, [(path, module)])
+        for c in captures:
+            self._captures.append((c, _select(model, c.modules, "modules")))
+        self._param_ids = {id(p) for _, _, p in self._params} or (
+            {id(p) for p in model.parameters()} if model is not None else set())
+        self._owns = weakref.WeakKeyDictionary()
+        self._writer = Writer(path, {
+            "run": name, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "model": type(model).__name__ if model is not None else None,
+            "log": sorted(self.log), "every": every if isinstance(every, int) else "callable",
+            "bins": bins, "sample": sample, "clip": clip, "batch_dim": batch_dim,
+            "modules": len(self._mods), "note": note, "torch": torch.__version__,
+            "step": "manual" if self.manual else "optimizer", "pid": os.getpid()},
+            background=background)
+        self.step_index = 0
+        self._after_step = False
+        self.recording = False
+        self.closed = False
+        self._lock = threading.Lock()
+        self._handles: list = []       # hooks of the recorded step
+        self._global: list = []        # optimizer hooks, for the whole recording
+        self._scalars: list = []       # (step, name, value or tensor)
+        self._notes: list = []
+        self._last_flush = time.monotonic()
+        self._warned: set = set()
+        self._reset_step()
+        if note:
+            self._notes.append((0, time.time(), note))
+
+    # -- lifecycle -------------------------------------------------------------------
+    def start(self) -> "Recorder":
+        global _ACTIVE
+        if _ACTIVE is not None and _ACTIVE is not self:
+            self._writer.close()
+            raise UsageError(f"record: run {_ACTIVE.run!r} is recording; close it before "
+                             "starting another")
+        _ACTIVE = self
+        global _EXIT_HOOKED
+        if not _EXIT_HOOKED:
+            import atexit
+            atexit.register(_close_at_exit)
+            _EXIT_HOOKED = True
+        try:
+            if self.model is not None:
+                # marks the start of a step's forward: scalars logged after
+                # optimizer.step() and before it belong to the step that just ended
+                self._global.append(self.model.register_forward_pre_hook(self._root_pre))
+            if not self.manual and self.model is not None:
+                self._global += [
+                    _optim_hooks.register_optimizer_step_pre_hook(self._opt_pre),
+                    _optim_hooks.register_optimizer_step_post_hook(self._opt_post)]
+            self._begin_step()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Write the step in progress (if it holds anything), remove every hook, close
+        the store (idempotent; also the `with` block's exit, exception or not)."""
+        global _ACTIVE
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.recording and (self._batch or self._entries or self._cap_store):
+                self._finish_step()
+            else:
+                self._flush_scalars(force=True)
+        except Exception as exc:  # noqa: BLE001 - closing never raises into the program
+            self._warn("close", exc)
+        finally:
+            self._remove(self._handles)
+            self._remove(self._global)
+            self._tensor_hooks_off()
+            if _ACTIVE is self:
+                _ACTIVE = None
+            self._writer.submit(lambda: self._writer.set_meta(status="closed",
+                                                              steps=self.step_index))
+            self._writer.close()
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close()
+
+    def __repr__(self):
+        state = "closed" if self.closed else f"step {self.step_index}"
+        return f"<mldebug.record run={self.run!r} {state} -> {self.path}>"
+
+    @staticmethod
+    def _remove(handles: list) -> None:
+        while handles:
+            try:
+                handles.pop().remove()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _warn(self, where: str, exc: BaseException) -> None:
+        if where not in self._warned:
+            self._warned.add(where)
+            warnings.warn(f"mldebug.record: {where} failed ({type(exc).__name__}: {exc}); "
+                          "the program goes on", RuntimeWarning, stacklevel=3)
+
+    # -- steps -----------------------------------------------------------------------
+    def _wanted(self, step: int) -> bool:
+        if isinstance(self.every, int):
+            return step % self.every == 0
+        try:
+            return bool(self.every(step))
+        except Exception as exc:  # noqa: BLE001 - the user's callable
+            self._warn("every(step)", exc)
+            return False
+
+    def _reset_step(self) -> None:
+        self._batch = _stats.StepBatch(self.bins, self.clip, self.sample)
+        self._entries: list = []      # (series key, meta, call, row)
+        self._seen: dict = {}         # id(tensor) -> (weakref, version, row)
+        self._grads: dict = {}        # id(tensor) -> (weakref, [targets])
+        self._thooks: list = []       # tensor hook handles
+        self._calls: dict = {}        # module path -> invocations this step
+        self._cap_store: dict = {}    # (key, call) -> (Capture, tensor)
+        self._params_done = False
+        self._serial = getattr(self, "_serial", 0) + 1
+
+    def _begin_step(self) -> None:
+        """Decide whether the step in progress is recorded; hooks on only if it is."""
+        self.recording = self._wanted(self.step_index)
+        if self.recording and not self._handles and self.model is not None:
+            self._install()
+        elif not self.recording and self._handles:
+            self._remove(self._handles)
+
+    def _install(self) -> None:
+        hooks = []
+        try:
+            if self.log & {"io", "io_grad"}:
+                for path, m in self._mods:
+                    hooks.append(m.register_forward_hook(self._make_fwd(path)))
+            for cap, mods in self._captures:
+                for path, m in mods:
+                    if cap.what == "pre_input":
+                        hooks.append(m.register_forward_pre_hook(self._make_pre(path, cap)))
+                    else:
+                        hooks.append(m.register_forward_hook(self._make_cap(path, cap)))
+        except BaseException:
+            self._remove(hooks)
+            raise
+        self._handles = hooks
+
+    def step(self) -> None:
+        """End the step in progress (write it if recorded) and start the next. The first
+        call turns the automatic counting at optimizer.step() off."""
+        if self.closed:
+            raise UsageError("record: step() after close()")
+        if not self.manual:
+            self.manual = True
+            for h in self._global[1:]:
+                h.remove()
+            del self._global[1:]
+        self._end_step()
+
+    def _end_step(self) -> None:
+        try:
+            if self.recording:
+                self._finish_step()
+            else:
+                self._flush_scalars()
+        except Exception as exc:  # noqa: BLE001 - recording never breaks the program
+            self._warn(f"step {self.step_index}", exc)
+            self._reset_step()
+        self.step_index += 1
+        self._after_step = True
+        try:
+            self._begin_step()
+        except Exception as exc:  # noqa: BLE001
+            self._warn("installing hooks", exc)
+
+    # -- optimizer hooks (the default step boundary) -----------------------------------
+    def _owned(self, optimizer) -> bool:
+        owns = self._owns.get(optimizer)
+        if owns is None:
+            ids = self._param_ids
+            owns = not ids or any(id(p) in ids for g in optimizer.param_groups
+                                  for p in g["params"])
+            try:
+                self._owns[optimizer] = owns
+            except TypeError:
+                pass
+        return owns
+
+    def _opt_pre(self, optimizer, args, kwargs):
+        if self.recording and not self._params_done and self._owned(optimizer):
+            try:
+                self._record_params()
+            except Exception as exc:  # noqa: BLE001
+                self._warn("parameter stats", exc)
+        return None
+
+    def _root_pre(self, module, args):
+        self._after_step = False
+        return None
+
+    def _opt_post(self, optimizer, args, kwargs):
+        if self._owned(optimizer):
+            self._end_step()
+        return None
+
+    # -- forward / backward hooks --------------------------------------------------------
+    def _make_fwd(self, path: str):
+        def hook(module, args, output):
+            if self.training_only and not module.training:
+                return None
+            try:
+                if self.condition is not None and not self.condition(module, args, output):
+                    return None
+                call = self._calls.get(path, 0)
+                self._calls[path] = call + 1
+                with _Quiet():
+                    for i, t in enumerate(_tensors(args)):
+                        self._io(path, "input", i, call, t)
+                    for i, t in enumerate(_tensors(output)):
+                        self._io(path, "output", i, call, t)
+            except Exception as exc:  # noqa: BLE001 - never break the forward
+                self._warn(f"recording {path or '(root)'}", exc)
+            return None
+        return hook
+
+    def _io(self, path: str, kind: str, i: int, call: int, t: torch.Tensor) -> None:
+        if not t.is_floating_point():
+            return
+        if "io" in self.log:
+            self._entries.append((f"{path}:{kind}[{i}]", (path, kind, i, "", t.shape, t.dtype),
+                                  call, self._row_of(t)))
+        if "io_grad" in self.log and t.requires_grad:
+            self._watch_grad(t, (f"{path}:{kind}_grad[{i}]", (path, kind + "_grad", i, "",
+                                                            t.shape, t.dtype), call))
+
+    def _row_of(self, t: torch.Tensor) -> int:
+        """Row of T now; the same tensor at the same version is computed once a step."""
+        seen = self._seen.get(id(t))
+        if seen is not None and seen[0]() is t and seen[1] == t._version:
+            return seen[2]
+        row = self._batch.add(t, self.sample)
+        self._seen[id(t)] = (weakref.ref(t), t._version, row)
+        return row
+
+    def _watch_grad(self, t: torch.Tensor, target: tuple) -> None:
+        got = self._grads.get(id(t))
+        if got is not None and got[0]() is t:
+            got[1].append(target)
+            return
+        targets = [target]
+        self._grads[id(t)] = (weakref.ref(t), targets)
+        serial = self._serial
+        self._thooks.append(t.register_hook(lambda g: self._on_grad(serial, targets, g)))
+
+    def _on_grad(self, serial: int, targets: list, grad) -> None:
+        if serial != self._serial or self.closed or grad is None:
+            return None
+        try:
+            with _Quiet(), self._lock:
+                row = self._batch.add(grad, self.sample, self.batch_dim)
+                for key, meta, call in targets:
+                    self._entries.append((key, meta, call, row))
+        except Exception as exc:  # noqa: BLE001
+            self._warn("gradient stats", exc)
+        return None
+
+    def _tensor_hooks_off(self) -> None:
+        self._remove(self._thooks)
+
+    def _record_params(self) -> None:
+        self._params_done = True
+        with _Quiet():
+            for name, path, p in self._params:
+                if "params" in self.log and p.is_floating_point():
+                    self._entries.append((f"{name}:param", (path, "param", 0, name, p.shape,
+                                                            p.dtype), 0,
+                                          self._batch.add(p, self.sample)))
+                g = p.grad
+                if "params_grad" in self.log and g is not None and g.is_floating_point() \
+                        and g.layout == torch.strided:
+                    self._entries.append((f"{name}:param_grad", (path, "param_grad", 0, name,
+                                                                 g.shape, g.dtype), 0,
+                                          self._batch.add(g, self.sample)))
+
+    # -- captures ------------------------------------------------------------------------
+    def _make_pre(self, path: str, cap: Capture):
+        def hook(module, args):
+            if self.training_only and not module.training:
+                return None
+            self._capture(path, cap, module, args)
+            return None
+        return hook
+
+    def _make_cap(self, path: str, cap: Capture):
+        def hook(module, args, output):
+            if self.training_only and not module.training:
+                return None
+            if self.condition is not None:
+                try:
+                    if not self.condition(module, args, output):
+                        return None
+                except Exception as exc:  # noqa: BLE001
+                    self._warn(f"condition at {path}", exc)
+                    return None
+            value = output if cap.what == "output" or cap.what == "output_grad" else args
+            self._capture(path, cap, module, value)
+            return None
+        return hook
+
+    def _capture(self, path: str, cap: Capture, module, value) -> None:
+        try:
+            ts = _tensors(value)
+            if cap.index >= len(ts) or cap.index < -len(ts):
+                return
+            t = ts[cap.index]
+            key = f"{path}:capture_{cap.what}[{cap.index}]"
+            ckey = (key, id(cap))
+            count = self._calls.get(ckey, 0)
+            self._calls[ckey] = count + 1
+            if cap.what.endswith("_grad"):
+                if t.requires_grad:
+                    serial = self._serial
+                    self._thooks.append(t.register_hook(
+                        lambda g: self._cap_add(serial, key, cap, count, g)))
+                return
+            self._cap_add(self._serial, key, cap, count, t)
+        except Exception as exc:  # noqa: BLE001
+            self._warn(f"capture at {path}", exc)
+
+    def _cap_add(self, serial, key, cap: Capture, count: int, t) -> None:
+        if serial != self._serial or self.closed:
+            return None
+        try:
+            with _Quiet(), self._lock:
+                if t.numel() * t.element_size() > cap.max_bytes:
+                    self._warn(f"capture {key} ({t.numel() * t.element_size()} bytes > "
+                               f"max_bytes={cap.max_bytes})", RuntimeError("too large"))
+                    return None
+                t = t.detach()
+                red = cap.reduction
+                if red is None:
+                    self._cap_store[(key, count)] = (cap, t.clone(), "none", 1)
+                    return None
+                prev = self._cap_store.get((key, -1))
+                if prev is None:
+                    self._cap_store[(key, -1)] = (cap, t.clone(), red if isinstance(red, str)
+                                                  else getattr(red, "__name__", "callable"), 1)
+                    return None
+                acc, n = prev[1], prev[3] + 1
+                if callable(red):
+                    acc = red(acc, t)
+                elif red in ("sum", "mean"):
+                    acc = acc + t          # mean divides at the end of the step
+                elif red == "max":
+                    acc = torch.maximum(acc, t)
+                elif red == "min":
+                    acc = torch.minimum(acc, t)
+                elif red == "last":
+                    acc = t.clone()
+                self._cap_store[(key, -1)] = (cap, acc, prev[2], n)
+        except Exception as exc:  # noqa: BLE001 - e.g. shapes that do not reduce
+            self._warn(f"capture {key}", exc)
+        return None
+
+    # -- named tensors, scalars, notes ---------------------------------------------------
+    def log_tensor(self, name: str, t, role: str = "") -> None:
+        if not isinstance(name, str) or not name:
+            raise UsageError(f"log_tensor: name must be a non-empty str, name={name!r}")
+        if not isinstance(t, torch.Tensor):
+            raise UsageError(f"log_tensor: expected a torch.Tensor for {name!r}, "
+                             f"got {type(t).__name__}")
+        if not self.recording or not t.is_floating_point() or t.numel() == 0:
+            return
+        try:
+            call = self._calls.get(("tensor", name), 0)
+            self._calls[("tensor", name)] = call + 1
+            with _Quiet():
+                self._entries.append((f"{name}:tensor", ("", "tensor", 0, name, t.shape,
+                                                         t.dtype, role), call, self._row_of(t)))
+        except Exception as exc:  # noqa: BLE001
+            self._warn(f"log_tensor {name}", exc)
+
+    def log_scalar(self, name: str, value) -> None:
+        if not isinstance(name, str) or not name:
+            raise UsageError(f"log_scalar: name must be a non-empty str, name={name!r}")
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise UsageError(f"log_scalar: {name!r} must be a number or a one-element "
+                                 f"tensor, got a tensor of shape {list(value.shape)}")
+            value = value.detach().reshape(())   # read at the next write: no sync now
+        elif not isinstance(value, (int, float, np.number)) or isinstance(value, bool):
+            raise UsageError(f"log_scalar: {name!r} must be a number, got "
+                             f"{type(value).__name__}")
+        self._scalars.append((self._log_step(), name, value))
+
+    def log_note(self, text: str) -> None:
+        self._notes.append((self._log_step(), time.time(), str(text)))
+
+    def _log_step(self) -> int:
+        """The step a scalar or note belongs to: after optimizer.step() and before the
+        model's next forward, still the step that just ended."""
+        return self.step_index - 1 if self._after_step and self.step_index else self.step_index
+
+    def _flush_scalars(self, force: bool = False) -> None:
+        if not (self._scalars or self._notes):
+            return
+        now = time.monotonic()
+        if not force and now - self._last_flush < SCALAR_FLUSH_S:
+            return
+        self._last_flush = now
+        notes, self._notes = self._notes, []
+        scalars, self._scalars = self._scalars, []
+        step = self.step_index
+        self._writer.submit(lambda: self._writer.write_step(step, None, _scalar_rows(scalars),
+                                                            notes, [], recorded=False))
+
+    # -- the end of a recorded step --------------------------------------------------------
+    def _finish_step(self) -> None:
+        step = self.step_index
+        if not self._params_done and self.model is not None:
+            self._record_params()
+        with self._lock:
+            entries, batch, caps = self._entries, self._batch, self._cap_store
+            self._tensor_hooks_off()
+            self._reset_step()
+        with _Quiet():
+            staged = batch.stage() if entries else None   # no host transfer here
+            caps = self._stage_captures(caps)
+        scalars, self._scalars = self._scalars, []
+        notes, self._notes = self._notes, []
+        self._last_flush = time.monotonic()
+        self._writer.submit(lambda: self._write_step(step, batch, staged, entries, caps,
+                                                     scalars, notes))
+
+    def _write_step(self, step, batch, staged, entries, caps, scalars, notes) -> None:
+        """On the writer thread: the host transfer, histograms, packing, the commit.
+        (The watch's dispatch mode is per thread: this thread is not watched.)"""
+        with torch.no_grad():
+            out = batch.finish_staged(staged) if staged is not None else None
+            cap_rows = self._capture_rows(step, caps)
+        packed = None
+        if entries:
+            w = self._writer
+            sids = np.empty(len(entries), np.int32)
+            calls = np.empty(len(entries), np.int32)
+            rows = np.empty(len(entries), np.int64)
+            for j, (key, meta, call, r) in enumerate(entries):
+                sid = w._series.get(key)
+                if sid is None:
+                    path, kind, idx, name, shape, dtype = meta[:6]
+                    sid = w.series_id(key, path, kind, idx, name, meta[6] if len(meta) > 6 else "",
+                                      tuple(shape), str(dtype).replace("torch.", ""))
+                sids[j], calls[j], rows[j] = sid, call, r
+            packed = _pack(out, sids, calls, rows, self.bins if self.sample else 0)
+        self._writer.write_step(step, packed, _scalar_rows(scalars), notes, cap_rows)
+
+    def _stage_captures(self, caps: dict) -> dict:
+        """Means divided on the device before the step's tensors are handed over."""
+        return {k: (cap, t / n if red == "mean" and n else t, red, n)
+                for k, (cap, t, red, n) in caps.items()}
+
+    def _capture_rows(self, step: int, caps: dict) -> list:
+        out = []
+        for (key, call), (cap, t, red, n) in caps.items():
+            path, rest = key.split(":", 1)
+            sid = self._writer.series_id(key, path, rest.split("[")[0], cap.index, "", "",
+                                         tuple(t.shape), str(t.dtype).replace("torch.", ""))
+            arr = t.detach().cpu()
+            if arr.dtype == torch.bfloat16:
+                arr = arr.float()
+            a = np.ascontiguousarray(arr.numpy())
+            out.append((step, sid, max(call, 0), red, str(list(a.shape)), a.dtype.str,
+                        a.tobytes()))
+        return out
+
+
+def _scalar_rows(items: list) -> list:
+    """(step, name, value) rows; tensors read with one transfer per device."""
+    if not items:
+        return []
+    values = [v for _, _, v in items]
+    by_device: dict = {}
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append(i)
+    with torch.no_grad():   # the writer thread (or close())
+        for dev, index in by_device.items():
+            host = torch.stack([values[i].double() for i in index]).cpu().tolist()
+            for i, h in zip(index, host):
+                values[i] = h
+    return [(s, n, None if float(v) != float(v) else float(v))
+            for (s, n, _), v in zip(items, values)]
+
+
+def _pack(out: dict, sids, calls, rows, bins: int) -> tuple:
+    """The stepdata columns (after step) of a finished batch, rows picked by ROWS."""
+    from .store import STAT_COLUMNS
+    stats = np.stack([np.asarray(out[c], np.float64)[rows] for c in STAT_COLUMNS], 1)
+    norm_off = np.full((len(rows), 2), -1, np.int64)
+    chunks, o = [], 0
+    for j, r in enumerate(rows):
+        v = out["norms"].get(int(r))
+        if v is not None:
+            norm_off[j] = (o, len(v))
+            chunks.append(v)
+            o += len(v)
+    norms = np.concatenate(chunks).astype("<f4") if chunks else np.zeros(0, "<f4")
+    hist = out["hist"][rows].astype("<i4") if bins else np.zeros((len(rows), 0), "<i4")
+    ranges = np.stack([out["lo"][rows], out["hi"][rows]], 1).astype("<f8")
+    outside = np.stack([out["below"][rows], out["above"][rows]], 1).astype("<i4")
+    return (len(rows), bins, sids.astype("<i4").tobytes(), calls.astype("<i4").tobytes(),
+            stats.astype("<f8").tobytes(), hist.tobytes(), ranges.tobytes(),
+            outside.tobytes(), out["sample_n"][rows].astype("<i4").tobytes(),
+            norm_off.astype("<i8").tobytes(), norms.tobytes())

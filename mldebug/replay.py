@@ -1,0 +1,28 @@
+"""Whether the watch is re-running a module call to pin the op behind a NaN/Inf.
+
+The watch checks module outputs cheaply and, when one is non-finite, runs the outermost
+module call again under its exact per-op check (see watch/tiers.py). The other parts of
+mldebug that listen to module calls (graph capture, assertions, recording) must not see
+that second run: they test `active()` first.
+"""
+from __future__ import annotations
+
+_depth = 0
+
+
+def active() -> bool:
+    return _depth > 0
+
+
+class replaying:
+    """Context manager: module-call listeners ignore what runs inside."""
+
+    def __enter__(self):
+        global _depth
+        _depth += 1
+        return self
+
+    def __exit__(self, *exc):
+        global _depth
+        _depth -= 1
+        return False

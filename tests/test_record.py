@@ -1,0 +1,382 @@
+"""mldebug.record: what is stored is what torch computes; the store survives a kill;
+recording never changes training; hooks come off; bad input is a clear error."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import mldebug
+from mldebug.errors import UsageError
+from mldebug.record import Capture, open_run
+from mldebug.record.timeline import compare, timeline
+
+from conftest import clean_env, run_cli
+
+
+def make_mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(5, 8, generator=g), torch.randint(0, 3, (5,), generator=g))
+            for _ in range(n)]
+
+
+def train(model, data, lr=0.1, each=None):
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for i, (x, y) in enumerate(data):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        if each is not None:
+            each(i, loss)
+        opt.step()
+        mldebug.log_scalar("loss", loss)
+    return model
+
+
+def _close(a, b, rel=1e-5):
+    return a == pytest.approx(b, rel=rel, abs=1e-6)
+
+
+def check_row(row, t):
+    """A stored stats row against torch's own numbers for tensor T."""
+    t = t.detach().double().flatten()
+    assert row["numel"] == t.numel()
+    assert _close(row["mean"], t.mean().item())
+    assert _close(row["abs_mean"], t.abs().mean().item())
+    assert _close(row["std"], t.std().item(), rel=1e-4)
+    assert _close(row["abs_max"], t.abs().max().item())
+    assert _close(row["min"], t.min().item())
+    assert _close(row["max"], t.max().item())
+    assert row["nan"] == row["posinf"] == row["neginf"] == 0
+
+
+def test_recorded_stats_match_torch(tmp_path):
+    model = make_mlp()
+    data = batches(4)
+    expected = {}
+    outs = {}
+
+    def keep(module, args, out):       # the test's own reference, not mldebug's
+        out.retain_grad()
+        outs["h"] = out
+
+    model[0].register_forward_hook(keep)
+
+    def each(i, loss):
+        expected[i] = {"h": outs["h"].detach().clone(), "h_grad": outs["h"].grad.clone(),
+                       "w": model[2].weight.detach().clone(),
+                       "w_grad": model[2].weight.grad.clone()}
+
+    with mldebug.record(model, run_dir=tmp_path, run="base") as rec:
+        train(model, data, each=each)
+    assert rec.closed and rec.path == str(tmp_path / "base.sqlite")
+
+    with open_run(rec.path) as run:
+        assert run.steps() == [0, 1, 2, 3]
+        assert run.status == "closed"
+        for i in range(4):
+            e = expected[i]
+            check_row(run.stats("0:output[0]", steps=[i])[0], e["h"])
+            check_row(run.stats("0:output_grad[0]", steps=[i])[0], e["h_grad"])
+            check_row(run.stats("2.weight:param", steps=[i])[0], e["w"])
+            check_row(run.stats("2.weight:param_grad", steps=[i])[0], e["w_grad"])
+            # per-sample gradient norms of the output
+            norms = run.norms("0:output_grad[0]", i)
+            np.testing.assert_allclose(norms, e["h_grad"].norm(dim=1).numpy(), rtol=1e-5)
+            # the histogram of a small tensor counts every value over [min, max]
+            h = [x for x in run.histograms("0:output[0]") if x["step"] == i][0]
+            assert h["sample_n"] == 80 and sum(h["counts"]) + h["below"] + h["above"] == 80
+            ref, _ = np.histogram(e["h"].double().numpy(), bins=30, range=(h["lo"], h["hi"]))
+            assert np.abs(ref - np.array(h["counts"])).sum() <= 2
+        # the loss logged after optimizer.step() belongs to the step that just ended
+        assert [s for s, _ in run.scalars()["loss"]] == [0, 1, 2, 3]
+        kinds = {s["kind"] for s in run.series()}
+        assert kinds == {"input", "output", "input_grad", "output_grad", "param", "param_grad"}
+
+
+def test_every_records_only_those_steps_and_unrecorded_steps_have_no_module_hooks(tmp_path):
+    model = make_mlp()
+    seen = []
+
+    def each(i, loss):
+        seen.append((i, len(model[0]._forward_hooks)))
+
+    with mldebug.record(model, run_dir=tmp_path, run="r", every=3):
+        train(model, batches(7), each=each)
+    assert seen == [(0, 1), (1, 0), (2, 0), (3, 1), (4, 0), (5, 0), (6, 1)]
+    with open_run(tmp_path / "r.sqlite") as run:
+        assert run.steps() == [0, 3, 6]
+        # KPIs are kept for every step, recorded or not
+        assert [s for s, _ in run.scalars("loss")["loss"]] == list(range(7))
+
+
+def test_recording_never_changes_training(tmp_path):
+    plain = train(make_mlp(), batches(6))
+    model = make_mlp()
+    with mldebug.record(model, run_dir=tmp_path, run="r",
+                        capture=[Capture("0", "output"), Capture("2", "input_grad", "sum")]):
+        train(model, batches(6))
+    for a, b in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
+def _hook_counts(model):
+    from torch.optim import optimizer as o
+    return ([(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
+             for m in model.modules()],
+            len(o._global_optimizer_pre_hooks), len(o._global_optimizer_post_hooks))
+
+
+def test_close_removes_every_hook_also_on_exception(tmp_path):
+    model = make_mlp()
+    before = _hook_counts(model)
+    with pytest.raises(RuntimeError, match="boom"):
+        with mldebug.record(model, run_dir=tmp_path, run="r",
+                            capture=Capture(nn.Linear, "pre_input")) as rec:
+            model(torch.randn(2, 8)).sum().backward()
+            assert _hook_counts(model) != before
+            raise RuntimeError("boom")
+    assert _hook_counts(model) == before
+    assert mldebug.record.active_recorder() is None
+    rec.close()  # idempotent
+    with open_run(rec.path) as run:
+        assert run.status == "closed"
+        assert run.steps() == [0]          # the step in progress was written at close
+
+
+def test_captures_store_full_tensors_with_reductions(tmp_path):
+    model = make_mlp()
+    x1, x2 = torch.randn(5, 8), torch.randn(5, 8)
+    outs, grads = [], []
+    def keep(module, args, out):
+        outs.append(out.detach().clone())
+        out.register_hook(grads.append)
+
+    model[0].register_forward_hook(keep)
+    with mldebug.record(model, run_dir=tmp_path, run="c", log=(), step="manual", capture=[
+            Capture("0", "output"), Capture("0", "output", reduction="sum"),
+            Capture("0", "output_grad", reduction="max"),
+            Capture(["0"], "pre_input", reduction=lambda acc, new: torch.cat([acc, new]))]) as rec:
+        (model(x1).sum() + model(x2).sum()).backward()
+        rec.step()
+    with open_run(rec.path) as run:
+        caps = {(c["key"], c["reduction"], c["call"]): c["array"] for c in run.captures()}
+    np.testing.assert_array_equal(caps[("0:capture_output[0]", "none", 0)], outs[0].numpy())
+    np.testing.assert_array_equal(caps[("0:capture_output[0]", "none", 1)], outs[1].numpy())
+    np.testing.assert_allclose(caps[("0:capture_output[0]", "sum", 0)],
+                               (outs[0] + outs[1]).numpy(), rtol=1e-6)
+    np.testing.assert_array_equal(caps[("0:capture_output_grad[0]", "max", 0)],
+                                  torch.maximum(grads[0], grads[1]).numpy())
+    np.testing.assert_array_equal(caps[("0:capture_pre_input[0]", "<lambda>", 0)],
+                                  torch.cat([x1, x2]).numpy())
+
+
+def test_module_selection_and_condition(tmp_path):
+    model = make_mlp()
+    calls = []
+
+    def condition(module, inputs, output):
+        calls.append(type(module).__name__)
+        return True
+
+    with mldebug.record(model, run_dir=tmp_path, run="s", modules=nn.Linear, log=("io",),
+                        condition=condition) as rec:
+        train(model, batches(1))
+    with open_run(rec.path) as run:
+        assert {s["module"] for s in run.series()} == {"0", "2"}
+    assert calls == ["Linear", "Linear"]
+    with mldebug.record(model, run_dir=tmp_path, run="c", children=[1], log=("io",)) as rec:
+        train(model, batches(1))
+    with open_run(rec.path) as run:
+        assert {s["module"] for s in run.series()} == {"1"}
+
+
+def test_named_tensors_notes_and_nonfinite_counts(tmp_path):
+    t = torch.tensor([1.0, -3.0, float("nan"), float("inf"), float("-inf"), float("nan"), 2.0])
+    with mldebug.record(None, run_dir=tmp_path, run="n", step="manual", note="first try") as rec:
+        mldebug.log_tensor("attn", t, role="helper")
+        mldebug.log_note("lr halved")
+        mldebug.log_scalar("acc", 0.5)
+        rec.step()
+    with open_run(rec.path) as run:
+        row = run.stats("attn:tensor")[0]
+        assert (row["nan"], row["posinf"], row["neginf"], row["numel"]) == (2, 1, 1, 7)
+        assert row["min"] == -3.0 and row["max"] == 2.0 and row["abs_max"] == 3.0
+        assert row["mean"] == pytest.approx(0.0) and row["abs_mean"] == pytest.approx(2.0)
+        assert run.series()[0]["role"] == "helper"
+        assert run.notes() == [(0, "first try"), (0, "lr halved")]
+        assert run.scalars() == {"acc": [(0, 0.5)]}
+        assert run.meta["note"] == "first try"
+
+
+def test_bad_input_is_a_clear_error(tmp_path):
+    model = make_mlp()
+    with pytest.raises(UsageError, match="'bogus'"):
+        mldebug.record(model, log=("io", "bogus"), run_dir=tmp_path)
+    with pytest.raises(UsageError, match="every"):
+        mldebug.record(model, every=0, run_dir=tmp_path)
+    with pytest.raises(UsageError, match="matched no module"):
+        mldebug.record(model, modules="encoder.*", run_dir=tmp_path)
+    with pytest.raises(UsageError, match="out of range"):
+        mldebug.record(model, children=[7], run_dir=tmp_path)
+    with pytest.raises(UsageError, match="what must be one of"):
+        Capture("0", what="outputs")
+    with pytest.raises(ValueError, match="run name"):
+        mldebug.record(model, run="a/b", run_dir=tmp_path)
+    with mldebug.record(model, run_dir=tmp_path, run="ok"):
+        with pytest.raises(UsageError, match="is recording"):
+            mldebug.record(model, run_dir=tmp_path, run="other")
+        with pytest.raises(UsageError, match="must be a number"):
+            mldebug.log_scalar("loss", "high")
+        with pytest.raises(UsageError, match="torch.Tensor"):
+            mldebug.log_tensor("x", [1.0])
+    with pytest.raises(UsageError, match="exists"):
+        mldebug.record(model, run_dir=tmp_path, run="ok", if_exists="error")
+    rec = mldebug.record(model, run_dir=tmp_path, run="ok", if_exists="new")
+    rec.close()
+    assert rec.run == "ok-2"
+
+
+def test_a_failing_store_warns_and_training_goes_on(tmp_path):
+    model = make_mlp()
+    with pytest.warns(RuntimeWarning, match="recording stops, the program goes on"):
+        with mldebug.record(model, run_dir=tmp_path, run="f") as rec:
+            rec._writer.flush()
+            rec._writer._db.close()            # the disk goes away under the recorder
+            train(model, batches(3))
+    plain = train(make_mlp(), batches(3))
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), model.parameters()))
+
+
+def test_two_runs_compare_in_a_json_timeline(tmp_path):
+    for name, lr in (("baseline", 0.01), ("hot", 5.0)):
+        with mldebug.record(make_mlp(), run_dir=tmp_path, run=name, modules="2"):
+            pass
+        model = make_mlp()
+        with mldebug.record(model, run_dir=tmp_path, run=name, modules="2"):
+            train(model, batches(5), lr=lr)
+    both = compare((str(tmp_path), "baseline"), str(tmp_path / "hot.sqlite"), max_steps=3)
+    json.dumps(both, allow_nan=False)
+    a, b = both["runs"]
+    assert (a["name"], b["name"]) == ("baseline", "hot")
+    assert "2.weight:param" in both["common"] and both["scalars"] == ["loss"]
+    wa = next(s for s in a["series"] if s["key"] == "2.weight:param")
+    wb = next(s for s in b["series"] if s["key"] == "2.weight:param")
+    assert wa["steps"] == [0, 2, 4] and len(wa["hist"]["counts"]) == 3
+    assert len(wa["hist"]["counts"][0]) == 30
+    # the hot run's weights moved much further from the same start
+    assert wa["stats"]["abs_max"][0] == wb["stats"]["abs_max"][0]
+    assert wb["stats"]["abs_max"][-1] > 2 * wa["stats"]["abs_max"][-1]
+    assert len(b["scalars"]["loss"]["values"]) == 5
+    only = timeline(str(tmp_path / "hot.sqlite"), kinds=["param_grad"])
+    assert {s["kind"] for s in only["series"]} == {"param_grad"}
+
+
+KILLED = """
+import sys, torch, torch.nn as nn
+import mldebug
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+rec = mldebug.record(model, run_dir=sys.argv[1], run="killed")
+step = 0
+while True:
+    opt.zero_grad()
+    model(torch.randn(16, 32)).pow(2).mean().backward()
+    opt.step()
+    print(step, flush=True)
+    step += 1
+"""
+
+
+def test_a_killed_recording_keeps_every_committed_step(tmp_path, write_program):
+    prog = write_program(KILLED)
+    runs = tmp_path / "runs"
+    proc = subprocess.Popen([sys.executable, str(prog), str(runs)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=clean_env())
+    try:
+        last = -1
+        deadline = time.time() + 90
+        while last < 30 and time.time() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            last = int(line)
+        assert last >= 30, proc.stderr.read()
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    path = runs / "killed.sqlite"
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    db.close()
+    with open_run(path) as run:
+        steps = run.steps()
+        assert run.status == "recording"             # never closed
+        assert steps == list(range(len(steps)))      # no gap
+        assert len(steps) >= last - 1                # at most the last step or two lost
+        for key in ("0:output[0]", "2.weight:param_grad"):
+            assert [r["step"] for r in run.stats(key)] == steps
+    result = run_cli(["runs", str(runs)])
+    assert result.returncode == 0, result.stderr
+    assert "killed" in result.stdout and "unclosed" in result.stdout
+    assert f"{len(steps):>6}" in result.stdout
+
+
+def test_runs_command_lists_runs_and_steps(tmp_path):
+    result = run_cli(["runs", str(tmp_path / "missing")])
+    assert result.returncode == 2
+    assert "no such directory" in result.stderr and "Traceback" not in result.stderr
+    result = run_cli(["runs", str(tmp_path)])
+    assert result.returncode == 0
+    assert "no runs in" in result.stdout
+    result = run_cli(["runs"])
+    assert result.returncode == 2 and "usage: python -m mldebug runs DIR" in result.stderr
+    for name, n in (("a", 3), ("b", 5)):
+        model = make_mlp()
+        with mldebug.record(model, run_dir=tmp_path, run=name, every=2, note=f"run {name}"):
+            train(model, batches(n))
+    result = run_cli(["runs", str(tmp_path)])
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"2 runs in {tmp_path}:"
+    row_a = next(line for line in lines if line.strip().startswith("a "))
+    row_b = next(line for line in lines if line.strip().startswith("b "))
+    assert row_a.split()[1:5] == ["closed", "2", "0", "2"]
+    assert row_b.split()[1:5] == ["closed", "3", "0", "4"]
+    assert "note: run a" in result.stdout and "loss" in row_a
+
+
+def test_a_program_that_forgets_close_still_writes_its_run(tmp_path, write_program):
+    prog = write_program("""
+        import sys, torch, torch.nn as nn, mldebug
+        model = nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        mldebug.record(model, run_dir=sys.argv[1], run="open")
+        for _ in range(3):
+            opt.zero_grad(); model(torch.randn(2, 4)).sum().backward(); opt.step()
+            mldebug.log_scalar("loss", 1.0)
+    """)
+    result = subprocess.run([sys.executable, str(prog), str(tmp_path)], capture_output=True,
+                            text=True, env=clean_env(), timeout=120)
+    assert result.returncode == 0, result.stderr
+    with open_run(tmp_path / "open.sqlite") as run:
+        assert run.status == "closed" and run.steps() == [0, 1, 2]
+        assert len(run.scalars()["loss"]) == 3

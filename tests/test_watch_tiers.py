@@ -1,0 +1,232 @@
+"""The watch's tiers (mldebug/watch/tiers.py): sentinels inside module calls and backward,
+replays that pin the op, and what a replay must never change.
+
+Each test states the stop the exact per-op check would make and asserts the tiered watch
+makes the same one (or, where a replay cannot pin the op, a stop that says so).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import mldebug
+from mldebug.watch import watch
+
+
+def lineno(fn, marker="# here") -> int:
+    import inspect
+    lines, start = inspect.getsourcelines(fn)
+    for offset, text in enumerate(lines):
+        if marker in text:
+            return start + offset
+    raise AssertionError(f"no {marker!r} in {fn.__name__}")
+
+
+def collect(**kwargs):
+    got = []
+    return got, watch(on_violation=got.append, **kwargs)
+
+
+class Block(nn.Module):
+    """A residual block whose own forward code (not a child) overflows: `out + x * big`."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        out = self.lin(x)
+        out = out + x * 1e38 * 1e1  # here
+        return self.act(out)
+
+
+def test_value_made_by_the_parents_code_is_pinned_there_not_in_the_child():
+    """The in-place ReLU's output is the first bad module output, but its input was
+    already Inf: the flag goes up to Block, whose replay stops at the multiplication."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Block())
+    got, w = collect()
+    with w:
+        model(torch.ones(2, 4))
+    assert len(got) == 1
+    v = got[0]
+    assert (v.kind, v.op, v.module, v.module_type, v.stage, v.created) == (
+        "inf", "aten.mul.Tensor", "1", "Block", "forward", True)
+    assert v.line == lineno(Block.forward)
+    assert v.frame is not None and v.frame.f_code is Block.forward.__code__
+
+
+class DropThenLog(nn.Module):
+    def forward(self, x):
+        x = F.dropout(x, 0.5, training=True)
+        return torch.log(x)  # here
+
+
+def test_replay_draws_the_same_random_numbers_and_leaves_the_rng_as_it_was():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), DropThenLog())
+    x = torch.randn(16, 8)
+    torch.manual_seed(1)
+    expected = model(x)
+    after_plain = torch.get_rng_state()
+    got, w = collect()
+    torch.manual_seed(1)
+    with w:
+        out = model(x)
+    assert torch.equal(torch.get_rng_state(), after_plain)
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert len(got) == 1
+    v = got[0]
+    assert (v.op, v.module, v.line) == ("aten.log.default", "2", lineno(DropThenLog.forward))
+    # the counts are those of the original call: the replay drew the same dropout mask
+    assert v.nan == int(expected.isnan().sum()) and v.neginf == int(expected.isneginf().sum())
+
+
+class MaskedNet(nn.Module):
+    """BatchNorm and dropout, then a deliberate -inf mask written as a constant in its own
+    forward: its output flags, the whole call is replayed and judged: not a stop."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        h = self.drop(self.bn(self.lin(x)))
+        scores = h.unsqueeze(-1) * h.unsqueeze(-2)
+        mask = torch.triu(torch.ones(4, 4, dtype=torch.bool), 1)
+        return scores.masked_fill(mask, float("-inf"))
+
+
+def test_a_replay_never_changes_buffers_or_results_bitwise():
+    """Steps flag (the mask); a replay re-runs BatchNorm (which updates its running
+    stats) and dropout (which draws random numbers): the running stats, the weights and
+    the RNG after training stay bitwise those of a run without mldebug."""
+    def train(watched):
+        torch.manual_seed(0)
+        model = MaskedNet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        got, w = collect()
+        if not watched:
+            w.close()
+        with w:
+            for _ in range(3):
+                opt.zero_grad()
+                out = model(torch.randn(8, 4))
+                loss = out.softmax(-1).nan_to_num().pow(2).sum()
+                loss.backward()
+                opt.step()
+            replays = len(w._t.fruitless) if watched else 0
+        return model.state_dict(), torch.get_rng_state(), got, replays
+
+    plain_state, plain_rng, _, _ = train(False)
+    state, rng, got, replays = train(True)
+    assert got == [] and replays == 1     # judged once, then known
+    assert torch.equal(rng, plain_rng)
+    assert int(state["bn.num_batches_tracked"]) == 3
+    for key in plain_state:
+        assert torch.equal(state[key], plain_state[key]), key
+
+
+def test_loss_code_outside_the_model_is_checked_op_by_op_in_backward():
+    """sqrt of a zero loss: finite forward, infinite derivative in the loss's own
+    backward (outside every module): the dry run of the loss region stops there."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    x = torch.randn(5, 3)
+    got, w = collect()
+    with w:
+        pred = model(x)
+        loss = torch.sqrt(F.mse_loss(pred, pred.detach()))  # here
+        loss.backward()
+    assert len(got) == 1
+    v = got[0]
+    assert (v.stage, v.node, v.torch_op) == ("backward", "SqrtBackward0", "torch.sqrt")
+    assert v.line == lineno(test_loss_code_outside_the_model_is_checked_op_by_op_in_backward)
+
+
+class Counter(nn.Module):
+    """Not repeatable: a NaN on its first call only (state it changes itself)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x * float("nan") if self.calls == 1 else x
+
+
+def test_a_call_that_cannot_be_replayed_still_stops_and_says_why():
+    model = nn.Sequential(nn.Linear(2, 2), Counter())
+    got, w = collect()
+    with w:
+        model(torch.ones(1, 2))
+    assert len(got) == 1
+    v = got[0]
+    assert (v.kind, v.stage, v.module, v.op) == ("nan", "forward", "1", "")
+    assert "not pinned" in v.text and "output of 1" in v.text
+
+
+def test_a_gradient_made_outside_the_model_names_the_parameter():
+    """An L2-like term over a parameter, written in the training loop: its backward is
+    outside the model's calls and outside the loss's path to the model output, so the
+    real backward (without the per-op check) makes it; the stop names the parameter and
+    says the op was not pinned."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    with torch.no_grad():
+        model[2].weight[0, 0] = 0.0     # d/dw |w|**0.5 is infinite at 0
+    got, w = collect()
+    with w:
+        loss = model(torch.randn(4, 3)).sum() + model[2].weight.abs().pow(0.5).sum()
+        loss.backward()  # here
+    assert len(got) == 1
+    v = got[0]
+    assert (v.stage, v.param, v.module, v.kind) == ("backward", "2.weight", "2", "nan")
+    assert "gradient of 2.weight" in v.text and "not pinned" in v.text
+    assert v.line == lineno(test_a_gradient_made_outside_the_model_names_the_parameter)
+
+
+def test_exact_mode_makes_the_same_stops():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Block())
+    got, w = collect(exact=True)
+    with w:
+        model(torch.ones(2, 4))
+    assert [(v.op, v.module, v.line) for v in got] == [
+        ("aten.mul.Tensor", "1", lineno(Block.forward))]
+
+
+def test_everything_installed_is_removed_also_for_the_backward_wrapper():
+    before = torch.autograd.backward
+    with watch(on_violation=lambda v: None):
+        assert torch.autograd.backward is not before
+        nn.Linear(2, 1)(torch.randn(3, 2)).sum().backward()
+    assert torch.autograd.backward is before
+    assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_the_mode_is_back_on_the_stack_after_a_call_that_raised():
+    class Raises(nn.Module):
+        def forward(self, x):
+            raise ValueError("bad shape")
+
+    got, w = collect()
+    with w:
+        try:
+            nn.Sequential(nn.Linear(2, 2), Raises())(torch.ones(1, 2))
+        except ValueError:
+            pass
+        torch.log(torch.zeros(1))   # outside modules: the exact check must see it
+    assert [v.op for v in got] == ["aten.log.default"]
+
+
+def test_mldebug_watch_accepts_exact_and_rejects_nonsense():
+    import pytest
+    from mldebug.errors import UsageError
+    with pytest.raises(UsageError, match="exact"):
+        mldebug.watch(exact="yes")
