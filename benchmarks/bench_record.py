@@ -10,6 +10,9 @@ printed as a ratio to plain. A step is zero_grad + forward + backward + optimize
     plain2          a second plain copy: the noise floor of the measurement
     record@1        all four logs (io, io_grad, params, params_grad), every step
     record@100:off  every=100, the steps that are not recorded (median step)
+    record:never    a recorder that never records (`every=lambda s: False`): the steady
+                    cost of unrecorded steps (record@100:off are the 3rd..8th steps after
+                    a recorded one, which still feel its allocations)
     record@100      every=100 amortized: (recorded + 99 unrecorded) / 100
     history         the CLI's default history (with the graph capture the CLI runs),
                     against the graph capture alone ("capture")
@@ -20,7 +23,10 @@ printed as a ratio to plain. A step is zero_grad + forward + backward + optimize
                     layout by a no-op, so what is measured is its hooks and histograms
                     (the peer's real cost is higher). Its backward hooks refuse in-place
                     ops, so its model copy runs with `disable_inplace=True` (its own
-                    option; the ReLUs then allocate). Skipped with a message when missing.
+                    option; the ReLUs then allocate) and without io_grad of BatchNorm
+                    layers (`ignore_io_grad_classes`: the block's `out += identity` writes
+                    into the BatchNorm output). Skipped with a message when missing or
+                    when it fails on a model.
 """
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ from mldebug.graph import Capture  # noqa: E402
 from mldebug.record.history import History  # noqa: E402
 
 LOGS = ("io", "io_grad", "params", "params_grad")
+CLOCK = [time.perf_counter]   # --clock cpu: time.process_time (all threads of the process)
 
 
 def load_torchexplorer():
@@ -91,10 +98,10 @@ class Variant:
             self.handle = h
             for _ in range(n):
                 sync(self.device)
-                t0 = time.perf_counter()
+                t0 = CLOCK[0]()
                 step(self.model, self.loss_fn, self.opt)
                 sync(self.device)
-                times.append((self.count, time.perf_counter() - t0))
+                times.append((self.count, CLOCK[0]() - t0))
                 self.count += 1
         return times
 
@@ -149,6 +156,8 @@ def make_variants(base, device, run_dir, texp):
         "plain2": lambda v: _Null(),   # a second plain copy: the noise floor
         "record@1": rec(1),
         "record@100": rec(100),
+        "record:never": lambda v: mldebug.record(v.model, log=LOGS, run_dir=run_dir,
+                                                 run="bench-never", every=lambda s: False),
         "capture": CaptureOnly,
         "history": CaptureHistory,
     }
@@ -156,9 +165,12 @@ def make_variants(base, device, run_dir, texp):
         def peer(freq):
             def attach(v):
                 if not getattr(v, "_watched", False):
-                    # disable_inplace: its full backward hooks refuse in-place ReLU
+                    # its full backward hooks refuse in-place ops: ReLU(inplace) is
+                    # switched off (its own option), BatchNorm's io_grad skipped (the
+                    # ResNet block adds into the BatchNorm output in place)
                     texp(v.model, log=list(LOGS), log_freq=freq, backend="none",
-                         disable_inplace=True)
+                         disable_inplace=True,
+                         ignore_io_grad_classes=[torch.nn.BatchNorm2d])
                     v._watched = True
                 return _Null()
             return attach
@@ -171,9 +183,15 @@ def measure(name, device, reps, per, run_dir, texp):
     torch.manual_seed(0)
     base = MODELS[name](device)
     vs = make_variants(base, device, run_dir, texp)
+    for k, v in list(vs.items()):               # warm-up
+        try:
+            v.steps(2)
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot run this model
+            if not k.startswith("texp"):
+                raise
+            print(f"{name}: {k} failed ({type(exc).__name__}: {str(exc)[:120]}); left out")
+            del vs[k]
     times = {k: [] for k in vs}
-    for v in vs.values():                       # warm-up
-        v.steps(2)
     for _ in range(reps):
         for k, v in vs.items():
             t = v.steps(per)
@@ -193,6 +211,9 @@ def measure(name, device, reps, per, run_dir, texp):
         if k.endswith(":rec"):
             base_k = k[:-4]
             med[base_k] = (med[k] + 99 * med[base_k + ":off"]) / 100
+    for k in ("texp@100", "record@100"):     # no recorded step among the timed ones
+        if k not in med and k + ":off" in med and k.replace("100", "1") in med:
+            med[k] = (med[k.replace("100", "1")] + 99 * med[k + ":off"]) / 100
     return med
 
 
@@ -202,7 +223,13 @@ def main(argv=None):
     parser.add_argument("--models", default="mlp,cnn")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall: perf_counter; cpu: process CPU time of all threads (less "
+                             "sensitive to other processes on a shared machine; use with "
+                             "--threads 1, as idle intra-op threads spin)")
     args = parser.parse_args(argv)
+    if args.clock == "cpu":
+        CLOCK[0] = time.process_time
     if args.threads:
         torch.set_num_threads(args.threads)
     texp, why = load_torchexplorer()
@@ -210,11 +237,11 @@ def main(argv=None):
     per = {"mlp": 8, "cnn": 5}
     load = os.getloadavg()
     print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, "
-          f"{'quick' if args.quick else 'full'}, load average {load[0]:.2f} {load[1]:.2f} "
+          f"{'quick' if args.quick else 'full'}, clock {args.clock}, load average {load[0]:.2f} {load[1]:.2f} "
           f"{load[2]:.2f} on {os.cpu_count()} cpus")
     if texp is None:
         print(f"torchexplorer: skipped ({why}); pip install torchexplorer --no-deps to compare")
-    cols = ["plain2", "record@1", "record@100:off", "record@100", "capture", "history"]
+    cols = ["plain2", "record@1", "record@100:off", "record:never", "record@100", "capture", "history"]
     if texp is not None:
         cols += ["texp@1", "texp@100:off", "texp@100"]
     print(f"{'model':6} {'plain ms':>9} " + " ".join(f"{c:>14}" for c in cols)
@@ -223,7 +250,8 @@ def main(argv=None):
         for name in args.models.split(","):
             med = measure(name, args.device, reps[name], per[name], run_dir, texp)
             base = med["plain"]
-            cells = " ".join(f"{med[c] / base:>13.3f}x" for c in cols)
+            cells = " ".join(f"{med[c] / base:>13.3f}x" if c in med else f"{'-':>14}"
+                             for c in cols)
             print(f"{name:6} {base * 1e3:>9.2f} {cells} {med['history'] / med['capture']:>15.3f}x",
                   flush=True)
     load = os.getloadavg()

@@ -155,6 +155,7 @@ def variants():
         "plain": Plain,
         "empty_mode": EmptyMode,
         "watch": lambda: mldebug.watch(action="raise"),
+        "watch_exact": lambda: mldebug.watch(action="raise", exact=True),
         "detect_anomaly": lambda: torch.autograd.detect_anomaly(check_nan=True),
         "naive_isfinite": NaiveIsfinite,
     }
@@ -232,7 +233,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (< ~1 min)")
     parser.add_argument("--models", default="mlp,cnn,gpt")
     parser.add_argument("--variants",
-                        default="plain,empty_mode,watch,detect_anomaly,naive_isfinite")
+                        default="plain,empty_mode,watch,watch_exact,detect_anomaly,naive_isfinite")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads")
     args = parser.parse_args(argv)

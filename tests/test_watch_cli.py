@@ -112,3 +112,49 @@ def test_why_without_a_stop_says_so(write_program):
     prog = write_program("breakpoint()\n")
     result = run_cli([str(prog)], stdin="why\nc\n")
     assert "breakpoint at prog.py:1" in result.stdout
+
+
+INSIDE_A_MODEL = """
+    import torch
+    from torch import nn
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, h):
+            scale = h.abs().amax()
+            z = self.proj(h) / (scale - scale)  # here
+            return z.tanh()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), Head())
+    x = torch.randn(2, 4)
+    out = model(x)              # tanh absorbs the Inf: every module output is finite
+    out.sum().backward()        # but 0 * (1/0) in DivBackward0 is NaN
+    print("finished", bool(out.isfinite().all()), bool(model[0].weight.grad.isnan().any()))
+"""
+
+
+@pytest.mark.parametrize("mode", ["on", "exact"])
+def test_a_stop_inside_a_model_pauses_in_its_forward_with_its_locals(write_program, mode):
+    """An Inf made inside a model and absorbed before any module's output (tanh) shows up
+    as a NaN gradient: with the tiers (the default), the backward's check re-runs the
+    model call under the per-op check, which stops at the division in Head.forward, with
+    its locals; the infinite derivative of the division is the next stop (a new
+    creation, found by re-running the call's backward), and `c` ends the program as it would have ended: the same stops as
+    `--watch exact` (which makes the first during the forward pass)."""
+    prog = write_program(INSIDE_A_MODEL)
+    result = run_cli(["--watch", mode, str(prog)],
+                     stdin="p tuple(h.shape), float(scale)\nwhy\nc\nc\nc\n")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert f"> {prog}({marker_line(prog)})forward()" in out
+    assert "from aten.div.Tensor (torch.div) in module 2 (Head) at prog.py:12 [forward]" in out
+    assert "((2, 4), 1.358" in out
+    assert ("from aten.div.Tensor (torch.div) in DivBackward0 in module 2 (Head) at "
+            "prog.py:12 [backward]") in out
+    # (and a third: -g*p/d**2 in the same backward is 0/0, another creation)
+    assert out.count("mldebug: ") == 3, out
+    assert "finished True True" in out

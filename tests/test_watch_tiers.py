@@ -230,3 +230,29 @@ def test_mldebug_watch_accepts_exact_and_rejects_nonsense():
     from mldebug.errors import UsageError
     with pytest.raises(UsageError, match="exact"):
         mldebug.watch(exact="yes")
+
+
+class LogOf(nn.Module):
+    def forward(self, x):
+        return torch.log(x) * 2
+
+
+def test_a_compiled_module_is_checked_at_its_boundary_and_says_so():
+    import pytest
+    import warnings
+    model = LogOf()
+    try:
+        compiled = torch.compile(model, backend="eager")
+        compiled(torch.ones(2))
+    except Exception as exc:  # noqa: BLE001 - no compiler here
+        pytest.skip(f"torch.compile unavailable: {exc}")
+    got, w = collect()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with w:
+            out = compiled(torch.zeros(2))
+            compiled(torch.ones(2))
+    notes = [str(c.message) for c in caught if str(c.message).startswith("mldebug:")]
+    assert len(notes) == 1 and "LogOf" in notes[0] and "compiled boundary" in notes[0]
+    assert torch.isinf(out).all()
+    assert [(v.kind, v.op, v.created) for v in got] == [("inf", "aten.log.default", True)]

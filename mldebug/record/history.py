@@ -23,6 +23,8 @@ from typing import Optional
 import torch
 from torch.optim import optimizer as _optim_hooks
 
+from .recorder import _Quiet
+
 STEPS = 20
 BUDGET = 0.01
 MAX_STRIDE = 64
@@ -33,22 +35,6 @@ _ACTIVE: Optional["History"] = None
 
 def active_history() -> Optional["History"]:
     return _ACTIVE
-
-
-class _Quiet:
-    def __enter__(self):
-        self._g = torch.is_grad_enabled()
-        torch.set_grad_enabled(False)
-        self._w = None
-        core = sys.modules.get("mldebug.watch.core")
-        if core is not None and core.active_watch() is not None:
-            self._w = core.active_watch().suspended()
-            self._w.__enter__()
-
-    def __exit__(self, *exc):
-        if self._w is not None:
-            self._w.__exit__(*exc)
-        torch.set_grad_enabled(self._g)
 
 
 class History:

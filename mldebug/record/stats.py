@@ -36,7 +36,7 @@ _GEN: dict = {}                # device -> private torch.Generator (never the gl
 
 
 def _sample_index(n: int, size: int, device) -> torch.Tensor:
-    key = (n, size, str(device))
+    key = (n, size, device)
     idx = _IDX_CACHE.get(key)
     if idx is None:
         gen = _GEN.get("cpu")

@@ -77,16 +77,9 @@ def run_path(run_dir: str, name: str) -> str:
 def check_run_name(name: str) -> str:
     if not isinstance(name, str) or not name or name.strip() != name \
             or any(c in name for c in "/\\\0") or name in (".", ".."):
-        raise ValueError(f"run name must be a non-empty file name without '/', run={name!r}")
+        from ..errors import UsageError
+        raise UsageError(f"run name must be a non-empty file name without '/', run={name!r}")
     return name
-
-
-def _real(v) -> Optional[float]:
-    """SQLite REAL: NaN becomes NULL; ±inf stay."""
-    if v is None:
-        return None
-    v = float(v)
-    return None if v != v else v
 
 
 class Writer:

@@ -404,6 +404,8 @@ class Watch:
         t = self._t
         if top is None:
             self._names.roots.add(module)
+            if not self._compile_warned and type(module).__name__ == "OptimizedModule":
+                self._compile_note(module)
             if not (self.exact or t.popped or t.replaying or t.in_backward or self._opt_depth):
                 # an outermost call: exact mode off inside, sentinels on (tiers.py)
                 t.cuda_rng = torch.cuda.is_initialized()
@@ -421,6 +423,13 @@ class Watch:
             return None
         self._top = (module, top)
         return None
+
+    def _compile_note(self, module):
+        self._compile_warned = True
+        inner = type(getattr(module, "_orig_mod", module)).__name__
+        warnings.warn(f"mldebug: {inner} runs under torch.compile: the watch checks its "
+                      "outputs and gradients at the compiled boundary, and pins a NaN/Inf "
+                      "inside by re-running the call", RuntimeWarning, stacklevel=4)
 
     def _module_post(self, module, args, output):
         if self._skip or _get_ident() != self._owner:
