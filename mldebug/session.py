@@ -77,6 +77,8 @@ class Violation:
             if self.torch_op:
                 op += f" ({self.torch_op})"
             where.append(f"from {op}")
+        elif self.torch_op:          # not pinned to an aten op: the call it was made in
+            where.append(f"in {self.torch_op}()")
         if self.node:
             where.append(f"in {self.node}")
         if self.module:
@@ -93,7 +95,8 @@ class Violation:
             stage += f", step {self.step}"
         cause = ""
         if self.kind != "assertion":
-            cause = "; this op made it from finite inputs" if self.created else (
+            made = "this op made it" if self.op else "made there"
+            cause = f"; {made} from finite inputs" if self.created else (
                 f"; it came in through {self.culprit or 'an input'}, made outside the watched ops")
         return f"{what} {' '.join(where)} [{stage}]{cause}".replace("  ", " ")
 

@@ -3,14 +3,12 @@ recording never changes training; hooks come off; bad input is a clear error."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import sqlite3
 import subprocess
 import sys
 import time
-import warnings
 
 import numpy as np
 import pytest

@@ -65,6 +65,7 @@ def test_history_at_a_nan_stop_shows_the_culprits_weight_climbing(write_program)
     # any module by path; an unknown one says what there is
     assert "history of 0: steps" in out and "‖0.weight‖" in out
     assert "history: no parameters under 'nope' were recorded (recorded: 0.weight" in out
+    assert "finished" not in out     # `q` ended the program at the stop
 
 
 def test_history_off_and_before_any_step(write_program):

@@ -158,3 +158,14 @@ def test_a_stop_inside_a_model_pauses_in_its_forward_with_its_locals(write_progr
     # (and a third: -g*p/d**2 in the same backward is 0/0, another creation)
     assert out.count("mldebug: ") == 3, out
     assert "finished True True" in out
+
+
+@pytest.mark.parametrize("mode", ["on", "exact"])
+def test_quit_at_a_stop_inside_a_model_ends_the_program(write_program, mode):
+    """`q` at a stop that a re-run of the call made (the tiers) ends the program as it
+    does at any stop: the re-run does not swallow the debugger's quit."""
+    prog = write_program(INSIDE_A_MODEL)
+    result = run_cli(["--watch", mode, str(prog)], stdin="q\n")
+    assert result.returncode == 0, result.stderr
+    assert "mldebug: " in result.stdout
+    assert "finished" not in result.stdout

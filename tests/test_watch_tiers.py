@@ -256,3 +256,56 @@ def test_a_compiled_module_is_checked_at_its_boundary_and_says_so():
     assert len(notes) == 1 and "LogOf" in notes[0] and "compiled boundary" in notes[0]
     assert torch.isinf(out).all()
     assert [(v.kind, v.op, v.created) for v in got] == [("inf", "aten.log.default", True)]
+
+
+def test_an_optimizer_state_that_overflows_is_a_stop_though_the_parameter_is_finite():
+    """Adam with a gradient of 1e25: exp_avg_sq = 0.001 * 1e50 is +Inf in float32, the
+    update is exp_avg / inf = 0, the parameter stays finite -- and silently never moves
+    again. The step's check reads the state too and names it."""
+    p = nn.Parameter(torch.ones(3))
+    opt = torch.optim.Adam([p], lr=0.1)
+    got, w = collect()
+    with w:
+        p.grad = torch.full((3,), 1e25)
+        opt.step()  # here
+    assert bool(p.isfinite().all())
+    assert len(got) == 1
+    v = got[0]
+    assert (v.stage, v.kind, v.torch_op, v.created, v.posinf) == (
+        "optimizer", "inf", "Adam.step", True, 3)
+    assert "optimizer state 'exp_avg_sq'" in v.text and "lr=0.1" in v.text
+    assert v.line == lineno(test_an_optimizer_state_that_overflows_is_a_stop_though_the_parameter_is_finite)
+
+
+def test_a_step_on_gradients_already_reported_is_not_a_new_stop():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    got, w = collect()
+    with w:
+        loss = torch.log(model(torch.randn(4, 3)) - 100).sum()   # NaN: stop 1 (forward)
+        loss.backward()
+        opt.step()       # NaN gradients -> NaN parameters: flows on, no stop
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+    assert [(v.stage, v.op) for v in got] == [("forward", "aten.log.default")]
+
+
+def test_an_optimizer_with_a_closure_keeps_the_per_op_check():
+    """LBFGS runs the model inside step(closure): the step keeps the exact check, so a
+    NaN made in the closure's forward is pinned to its op."""
+    model = nn.Linear(2, 1)
+    opt = torch.optim.LBFGS(model.parameters(), max_iter=1)
+    x = torch.randn(4, 2)
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.sqrt(model(x) - 1e3).sum()  # here
+        loss.backward()
+        return loss
+
+    got, w = collect()
+    with w:
+        opt.step(closure)
+    assert got and got[0].op == "aten.sqrt.default" and got[0].created
+    assert got[0].line == lineno(test_an_optimizer_with_a_closure_keeps_the_per_op_check)

@@ -59,6 +59,8 @@ class History:
     def start(self) -> "History":
         global _ACTIVE
         if not self._handles:
+            self._last_post = None     # time away (closed) is not step time
+            self._own = 0.0
             self._handles = [_optim_hooks.register_optimizer_step_pre_hook(self._pre),
                              _optim_hooks.register_optimizer_step_post_hook(self._post)]
             _ACTIVE = self

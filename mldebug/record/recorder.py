@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from torch.optim import optimizer as _optim_hooks
 
+from .. import replay as _replay
 from ..errors import UsageError
 from ..modnames import module_names
 from . import stats as _stats
@@ -453,8 +454,8 @@ class Recorder:
     # -- forward / backward hooks --------------------------------------------------------
     def _make_fwd(self, path: str):
         def hook(module, args, output):
-            if self.training_only and not module.training:
-                return None
+            if _replay.active() or (self.training_only and not module.training):
+                return None  # (a watch's re-run of the call is not a new invocation)
             try:
                 if self.condition is not None and not self.condition(module, args, output):
                     return None
@@ -500,6 +501,8 @@ class Recorder:
         self._thooks.append(t.register_hook(lambda g: self._on_grad(serial, targets, g)))
 
     def _on_grad(self, serial: int, targets: list, grad) -> None:
+        if _replay.active():
+            return   # the watch's dry run of the loss's backward: the real pass follows
         if serial != self._serial or self.closed or grad is None:
             return None
         try:
@@ -532,16 +535,16 @@ class Recorder:
     # -- captures ------------------------------------------------------------------------
     def _make_pre(self, path: str, cap: Capture):
         def hook(module, args):
-            if self.training_only and not module.training:
-                return None
+            if _replay.active() or (self.training_only and not module.training):
+                return None  # (a watch's re-run of the call is not a new invocation)
             self._capture(path, cap, module, args)
             return None
         return hook
 
     def _make_cap(self, path: str, cap: Capture):
         def hook(module, args, output):
-            if self.training_only and not module.training:
-                return None
+            if _replay.active() or (self.training_only and not module.training):
+                return None  # (a watch's re-run of the call is not a new invocation)
             if self.condition is not None:
                 try:
                     if not self.condition(module, args, output):
@@ -575,7 +578,7 @@ class Recorder:
             self._warn(f"capture at {path}", exc)
 
     def _cap_add(self, serial, key, cap: Capture, count: int, t) -> None:
-        if serial != self._serial or self.closed:
+        if serial != self._serial or self.closed or _replay.active():
             return None
         try:
             with _Quiet(), self._lock:

@@ -5,6 +5,8 @@ is finite or None (`json.dumps(d, allow_nan=False)` works).
 
     timeline(run, modules=None, kinds=None, max_steps=200) -> dict
     compare(run_a, run_b, **same) -> {'runs': [timeline_a, timeline_b], 'common': [keys]}
+    resample_hist(lo, hi, counts, edges) -> counts on EDGES   (pure numpy)
+    hist_grid(series, bins=64) -> a series' histograms over steps on one value grid
 
 `run` is a Run, a path to a .sqlite file, or a (run_dir, name) pair. For a module called
 several times in one step, its first call is shown (`calls` says how many there were).
@@ -112,3 +114,66 @@ def compare(run_a, run_b, **kwargs) -> dict:
     keys_b = {s["key"] for s in b["series"]}
     return {"runs": [a, b], "common": [s["key"] for s in a["series"] if s["key"] in keys_b],
             "scalars": sorted(set(a["scalars"]) & set(b["scalars"]))}
+
+
+def resample_hist(lo, hi, counts, edges) -> np.ndarray:
+    """The counts of a histogram of len(COUNTS) equal bins over [LO, HI], moved onto the
+    bins between ascending EDGES (float64, len(EDGES) - 1 values). Each source bin's
+    count is spread evenly over its width, so a target bin gets the overlapping share:
+    target edges that are source edges give back the source's sums exactly; mass outside
+    [EDGES[0], EDGES[-1]] is dropped. LO == HI (a constant tensor) puts every count in the
+    target bin holding LO. Raises ValueError for unordered edges or HI < LO."""
+    counts = np.asarray(counts, dtype=np.float64)
+    edges = np.asarray(edges, dtype=np.float64)
+    if edges.ndim != 1 or len(edges) < 2 or np.any(np.diff(edges) <= 0):
+        raise ValueError(f"edges must be at least 2 increasing values, edges={edges!r}")
+    lo, hi = float(lo), float(hi)
+    if not (math.isfinite(lo) and math.isfinite(hi)) or hi < lo:
+        raise ValueError(f"the source range must be finite with lo <= hi, lo={lo}, hi={hi}")
+    out = np.zeros(len(edges) - 1)
+    total = counts.sum()
+    if counts.size == 0 or total == 0:
+        return out
+    if hi == lo:
+        j = np.searchsorted(edges, lo, side="right") - 1
+        if lo == edges[-1]:
+            j = len(out) - 1
+        if 0 <= j < len(out):
+            out[j] = total
+        return out
+    src = np.linspace(lo, hi, counts.size + 1)
+    cdf = np.concatenate([[0.0], np.cumsum(counts)])
+    return np.diff(np.interp(edges, src, cdf))   # interp clamps: 0 below, total above
+
+
+def hist_grid(series: dict, bins: int = 64) -> dict:
+    """The histograms of one `timeline()` series over its steps on a common value grid
+    (each step's bins differ: each is resampled with resample_hist), for a
+    TorchExplorer-style image: x = step, y = value, colour = share of the step's samples.
+
+        {"steps": [...], "edges": [bins + 1 values], "lo", "hi",
+         "share": [[...] * len(steps)] * bins     rows = value bins (low to high),
+                                                  columns = steps; None where a step
+                                                  has no histogram (non-finite range, or
+                                                  nothing sampled)}
+    Values below/above a step's clipped range (outliers) are not drawn."""
+    if not isinstance(bins, int) or bins < 1:
+        raise ValueError(f"bins must be an int >= 1, bins={bins!r}")
+    h = series["hist"]
+    steps = list(series["steps"])
+    ok = [i for i in range(len(steps)) if h["lo"][i] is not None and h["hi"][i] is not None
+          and h["hi"][i] >= h["lo"][i] and sum(h["counts"][i]) > 0]
+    if ok:
+        lo = min(h["lo"][i] for i in ok)
+        hi = max(h["hi"][i] for i in ok)
+    else:
+        lo, hi = 0.0, 1.0
+    if hi <= lo:
+        lo, hi = lo - 0.5, hi + 0.5
+    edges = np.linspace(lo, hi, bins + 1)
+    grid = np.full((bins, len(steps)), np.nan)
+    for i in ok:
+        col = resample_hist(h["lo"][i], h["hi"][i], h["counts"][i], edges)
+        grid[:, i] = col / max(sum(h["counts"][i]), 1)
+    return {"steps": steps, "edges": edges.tolist(), "lo": float(lo), "hi": float(hi),
+            "share": [[None if math.isnan(v) else float(v) for v in r] for r in grid]}

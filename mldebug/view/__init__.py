@@ -4,6 +4,7 @@ histogram and stats, the gradient), the graph of the last step and the assertion
 Continue / Step over buttons that act as `c` / `n` typed at the prompt.
 
     url = mldebug.view()            # start it (once) and get its URL (token in the query)
+    mldebug.view(runs="runs")       # ... and list the runs recorded in runs/ (Timeline tab)
     mldebug.inspect(x)              # add x to the inspect list (starts the view if needed)
     mldebug.inspect(x, wait=True)   # ... and block the program until Continue in the page
 
@@ -15,7 +16,8 @@ a free one. Nothing here imports bokeh until a view starts.
 
 Layout: `state` (the hub: inspect list, pause state, the buttons' command queue),
 `prompt` (the prompt's input while a view runs), `server` (Bokeh/tornado thread,
-security), `app` (the page), `data` (what the page draws, from the engine's records).
+security), `app` (the page), `timeline_panel` (its Timeline tab: recorded runs), `data`
+(what the page draws, from the engine's records).
 """
 from __future__ import annotations
 
@@ -56,10 +58,16 @@ def _start(port=None, out=None):
         return _server.url, True
 
 
-def start(port=None) -> str:
+def start(port=None, runs=None) -> str:
     """`mldebug.view(port)`: start the browser view (once; later calls return the same URL) and return its URL,
     `http://127.0.0.1:PORT/?token=...`. PORT: None for 5006, 0 for any free port; a port
-    in use gives a note and a free one. Prints the URL on stderr when it starts."""
+    in use gives a note and a free one. Prints the URL on stderr when it starts.
+    RUNS: a directory of recorded runs (or a list of them) for the Timeline tab, added to
+    those listed (also when the view already runs); the running `mldebug.record`'s
+    run_dir is always listed."""
+    if runs is not None:
+        from . import data as _data
+        _data.add_run_dirs(runs)
     address, started = _start(port)
     if started:
         print(f"mldebug: browser view at {address}", file=_sys.stderr, flush=True)
@@ -168,8 +176,8 @@ class _CallableModule(_types.ModuleType):
     same trick as `mldebug.watch`): importing the package binds `mldebug.view` to the
     module, so the module itself must be callable, in any import order."""
 
-    def __call__(self, port=None) -> str:
-        return start(port)
+    def __call__(self, port=None, runs=None) -> str:
+        return start(port, runs)
 
 
 _sys.modules[__name__].__class__ = _CallableModule

@@ -1,4 +1,5 @@
-"""The page: one Bokeh document per open browser tab.
+"""The page: one Bokeh document per open browser tab. Its Inspect tab is here; its
+Timeline tab (recorded runs) is timeline_panel.py.
 
 Sections read data / plots / widgets / callbacks / layout. Every change from the program
 arrives through the hub's listener and is applied with `doc.add_next_tick_callback`; the
@@ -13,7 +14,7 @@ from functools import partial
 from bokeh.layouts import column, row
 from bokeh.models import (Button, ColorBar, ColumnDataSource, CustomJSHover,
                           HoverTool, InlineStyleSheet, LinearColorMapper, RadioButtonGroup, Range1d, Select,
-                          Slider, TapTool)
+                          Slider, TabPanel, Tabs, TapTool)
 from bokeh.models import Div as _Div
 from bokeh.palettes import Viridis256
 from bokeh.plotting import figure
@@ -21,6 +22,7 @@ from bokeh.plotting import figure
 from .. import slicing as _slicing
 from . import data as _data
 from . import state as _state
+from .timeline_panel import TimelinePanel
 
 NAN_COLOR, POSINF_COLOR, NEGINF_COLOR = "#ff00ff", "#ff2828", "#00e6ff"
 STATUS_COLORS = {"ok": "#dee2e6", "nonfinite": "#ff6b6b", "violation": "#ffa94d",
@@ -146,6 +148,7 @@ class Page:
         self.graph_fig.add_tools(TapTool(renderers=[node_r, toggle_r]))
         self.graph_note = Div(text="", width=520, css_classes=["mld-graph-note"])
         self.assertions = Div(text="", width=560, css_classes=["mld-assertions-div"])
+        self.timeline = TimelinePanel(self.doc, self.server, Div)
 
         # -- callbacks ---------------------------------------------------------------
         self.continue_btn.on_click(partial(self._press, "continue"))
@@ -165,8 +168,12 @@ class Page:
                                                column(self.hist, self.stats)))
         lower = row(column(self.graph_fig, self.graph_note),
                     column(Div(text="<h3>Assertions</h3>"), self.assertions))
+        self.tabs = Tabs(tabs=[TabPanel(child=column(tensor, lower), title="Inspect"),
+                               TabPanel(child=self.timeline.layout, title="Timeline")],
+                         name="mld-tabs", css_classes=["mld-tabs"])
+        self.tabs.on_change("active", self._on_tab)
         self.doc.add_root(column(Div(text="<h2>mldebug</h2>"), self.banner, controls,
-                                 tensor, lower))
+                                 self.tabs))
         self.doc.title = "mldebug view"
 
     # -- program -> page ----------------------------------------------------------------
@@ -202,12 +209,16 @@ class Page:
         if snap["pause_serial"] != self.last_pause:
             self.last_pause = snap["pause_serial"]
             self._load_graph()
+            self.timeline.paused()
             if self.entry is not None:
                 self._request_tensor()   # the values may have changed since
 
     # -- callbacks ---------------------------------------------------------------------
     def _press(self, action):
         self.control_note.text = html.escape(self.hub.press(action))
+
+    def _on_tab(self, attr, old, new):
+        self.timeline.show(new == 1)
 
     def _on_entry(self, attr, old, new):
         entry = self.hub.get(new)

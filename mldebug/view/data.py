@@ -1,11 +1,13 @@
 """What the page draws, computed in Python from the engine's records (no statistics of
-its own: `slicing.slice_plane`, `summary`, `graph`, `assertions`). Runs on the view's
+its own: `slicing.slice_plane`, `summary`, `graph`, `assertions`, `record.timeline`). Runs on the view's
 worker thread, never on the IOLoop. Nothing here imports bokeh.
 """
 from __future__ import annotations
 
 import html
 import os
+import sys
+import threading
 from typing import Optional
 
 from .. import slicing as _slicing
@@ -225,3 +227,152 @@ def assertions_html() -> str:
                 + "".join(f"<li class='bad'>{html.escape(v.headline())}</li>" for v in vs)
                 + "</ul>") if vs else "<p>No violations this step.</p>"
     return f"<div class='mld-assertions'>{step}<details><summary>Registered assertions</summary><ul>{items}</ul></details></div>"
+
+
+# -- timeline (recorded runs) ----------------------------------------------------------------
+TIMELINE_BINS = 64      # value bins of the histogram-over-steps image
+TIMELINE_STEPS = 200    # steps per series (evenly thinned beyond)
+_run_dirs: list = []    # mldebug.view(runs=...), in the order given
+_run_dirs_lock = threading.Lock()
+
+
+def add_run_dirs(runs) -> list:
+    """Add run directories (a path or a list of paths) to those the timeline lists;
+    returns them all. Raises TypeError naming a value that is not a path."""
+    if runs is None:
+        return run_dirs()
+    items = [runs] if isinstance(runs, (str, os.PathLike)) else list(runs)
+    for r in items:
+        if not isinstance(r, (str, os.PathLike)):
+            raise TypeError(f"runs must be a directory path or a list of them, got {r!r}")
+    with _run_dirs_lock:
+        for r in items:
+            d = os.path.abspath(os.fspath(r))
+            if d not in _run_dirs:
+                _run_dirs.append(d)
+        return list(_run_dirs)
+
+
+def run_dirs() -> list:
+    """The directories the timeline lists: the running recording's run_dir (when
+    `mldebug.record` runs in this process) first, then those given to the view and
+    those of recordings seen running earlier (a run stays listed once it ends)."""
+    recorder = sys.modules.get("mldebug.record.recorder")   # not imported: nothing records
+    rec = recorder.active_recorder() if recorder is not None else None
+    with _run_dirs_lock:
+        if rec is not None:
+            d = os.path.abspath(rec.run_dir)
+            if d in _run_dirs:
+                _run_dirs.remove(d)
+            _run_dirs.insert(0, d)
+        return list(_run_dirs)
+
+
+def known_runs() -> dict:
+    """{"runs": [{name, path, status, steps, dir, live}], "notes": [text]} of every run
+    store in run_dirs(); a missing directory is a note, not an error."""
+    from ..record.store import list_runs
+
+    recorder = sys.modules.get("mldebug.record.recorder")
+    rec = recorder.active_recorder() if recorder is not None else None
+    live = os.path.abspath(rec.path) if rec is not None else None
+    runs, notes = [], []
+    for d in run_dirs():
+        try:
+            found = list_runs(d)
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            notes.append(str(exc))
+            continue
+        for r in found:
+            runs.append({"name": r["name"], "path": os.path.abspath(r["path"]),
+                         "status": r["status"], "steps": r["steps"], "dir": d,
+                         "live": os.path.abspath(r["path"]) == live})
+    return {"runs": runs, "notes": notes}
+
+
+def run_label(run: dict, several_dirs: bool) -> str:
+    where = f" in {os.path.basename(run['dir']) or run['dir']}" if several_dirs else ""
+    state = " (recording)" if run["live"] else " (unreadable)" if run["status"] == "unreadable" else ""
+    return f"{run['name']}{where}: {run['steps']} steps{state}"
+
+
+def _side(t: Optional[dict], key: str, kpi: str, bins: int) -> dict:
+    """What one run contributes to the timeline panel for series KEY and scalar KPI."""
+    import numpy as np
+
+    from ..record.timeline import hist_grid
+
+    def arr(values):
+        return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
+
+    out = {"name": t["name"] if t else "", "note": "", "image": None,
+           "stats": {"step": np.zeros(0), "mean": np.zeros(0), "std": np.zeros(0),
+                     "abs_max": np.zeros(0), "nonfinite": np.zeros(0)},
+           "kpi": {"step": np.zeros(0), "value": np.zeros(0)}}
+    if t is None:
+        return out
+    if kpi in t["scalars"]:
+        sc = t["scalars"][kpi]
+        out["kpi"] = {"step": arr(sc["steps"]), "value": arr(sc["values"])}
+    series = next((s for s in t["series"] if s["key"] == key), None)
+    if series is None:
+        out["note"] = f"no series {key} in run {t['name']}" if key else f"run {t['name']} has no series"
+        return out
+    st = series["stats"]
+    abs_max = arr(st["abs_max"])
+    abs_max[~(abs_max > 0)] = np.nan          # drawn on a log axis
+    out["stats"] = {"step": arr(series["steps"]), "mean": arr(st["mean"]),
+                    "std": arr(st["std"]), "abs_max": abs_max,
+                    "nonfinite": arr([a + b + c for a, b, c in
+                                      zip(st["nan"], st["posinf"], st["neginf"])])}
+    if series["steps"]:
+        g = hist_grid(series, bins)
+        steps = g["steps"]
+        # one image column per step of a regular grid (the median spacing); steps that
+        # were not recorded stay empty
+        gap = int(np.median(np.diff(steps))) if len(steps) > 1 else 1
+        gap = max(gap, 1)
+        ncols = min((steps[-1] - steps[0]) // gap + 1, 4 * TIMELINE_STEPS)
+        image = np.full((bins, ncols), np.nan, dtype=np.float32)
+        share = np.array([[np.nan if v is None else v for v in r] for r in g["share"]],
+                         dtype=np.float32).reshape(bins, len(steps))
+        cols = np.minimum((np.asarray(steps) - steps[0]) // gap, ncols - 1)
+        image[:, cols] = share
+        image[image == 0] = np.nan            # empty cells stay transparent
+        out["image"] = {"image": image, "x": steps[0] - gap / 2, "dw": ncols * gap,
+                        "y": g["lo"], "dh": g["hi"] - g["lo"],
+                        "high": float(np.nanmax(image)) if np.isfinite(image).any() else 1.0}
+        if series["calls"] > 1:
+            out["note"] = f"{key} runs {series['calls']} times a step: its first call is shown"
+    else:
+        out["note"] = f"{key}: no recorded step in run {t['name']}"
+    return out
+
+
+def timeline_view(path_a: str, path_b: Optional[str] = None, key: Optional[str] = None,
+                  kpi: Optional[str] = None, bins: int = TIMELINE_BINS) -> dict:
+    """What the timeline panel draws for run PATH_A (and PATH_B beside it), series KEY
+    (default: A's first parameter) and scalar KPI (default 'loss', else A's first scalar):
+    {"series": [(key, label)], "key", "kpis": [...], "kpi", "sides": [side_a, side_b?]}.
+    Raises FileNotFoundError / ValueError for a bad store."""
+    from ..record.store import open_run
+    from ..record.timeline import compare, timeline
+
+    with open_run(path_a) as run:
+        series = run.series()
+    keys = [s["key"] for s in series]
+    if key not in keys:   # default: the first parameter (what a learning rate moves)
+        key = next((s["key"] for s in series if s["kind"] == "param"), keys[0] if keys else "")
+    chosen = next((s for s in series if s["key"] == key), None)
+    filt = dict(modules=[chosen["module"]], kinds=[chosen["kind"]]) if chosen else \
+        dict(modules=[], kinds=[])
+    if path_b and path_b != path_a:
+        ta, tb = compare(path_a, path_b, max_steps=TIMELINE_STEPS, **filt)["runs"]
+    else:
+        ta, tb = timeline(path_a, max_steps=TIMELINE_STEPS, **filt), None
+    kpis = sorted(set(ta["scalars"]) | (set(tb["scalars"]) if tb else set()))
+    if kpi not in kpis:
+        kpi = "loss" if "loss" in kpis else (kpis[0] if kpis else "")
+    labels = [(s["key"], f"{s['key']}  {list(s['shape'])}") for s in series]
+    sides = [_side(ta, key, kpi, bins)] + ([_side(tb, key, kpi, bins)] if tb else [])
+    return {"series": labels, "key": key, "kpis": kpis, "kpi": kpi, "sides": sides}

@@ -468,6 +468,13 @@ class Watch:
         self._opt_depth += 1
         self._optimizer = optimizer
         self._opt_seen = True
+        t = self._t
+        if (not self.exact and self._opt_depth == 1 and not t.replaying
+                and len(args or ()) <= 1 and not (kwargs or {}).get("closure")):
+            # (args holds the optimizer itself; anything more is a closure)
+            # the step without the per-op check; parameters and state checked after it
+            # (a step with a closure runs the model inside: it keeps the exact check)
+            t.opt_popped = _tiers.pop_if_top(self._mode)
         return None
 
     def _optimizer_post(self, optimizer, args, kwargs):
@@ -475,9 +482,80 @@ class Watch:
             return None
         if self._win:
             self._flush_window()
-        self._opt_depth = max(0, self._opt_depth - 1)
-        self._steps += 1
+        t = self._t
+        popped, t.opt_popped = t.opt_popped, False
+        try:
+            if popped:
+                self._check_step(optimizer)       # (with the mode still off: cheaper)
+        finally:
+            if popped:
+                _tiers.push(self._mode)
+            self._opt_depth = max(0, self._opt_depth - 1)
+            self._steps += 1
         return None
+
+    def _check_step(self, optimizer):
+        """After an optimizer step run without the per-op check: one sum per parameter
+        and per state tensor, a single read; a non-finite one is reported by the
+        parameter's name, at the `optimizer.step()` line."""
+        tensors = _tiers.step_tensors(optimizer)
+        if not _tiers.any_nonfinite_sum([x for x, _, _, _ in tensors]):
+            return
+        reported = None
+        bad = []
+        for x, p, what, group in tensors:
+            c = _counts(x)
+            if sum(c) and self._taint_get(x) is None:
+                bad.append((x, p, what, group, c))
+        for x, p, what, group, c in bad:
+            v = self._judge_step(optimizer, x, p, what, group, c)
+            if v is not None and reported is None:
+                reported = v
+        for x, p, what, group, c in bad:
+            self._taint_add(x, c[0] > 0, c[1] + c[2] > 0, reported is not None)
+        if reported is not None:
+            self._report(reported)
+
+    def _judge_step(self, optimizer, x, p, what, group, counts):
+        """The stop rule for a parameter (or its state) that the step left non-finite."""
+        nan, posinf, neginf = counts
+        kind = "nan" if nan else "inf"
+        grad = p.grad
+        grad_counts = _counts(grad) if isinstance(grad, Tensor) and _floating(grad) else (0, 0, 0)
+        created = not sum(grad_counts)
+        if not created:
+            known = self._taint_get(grad)
+            if known is not None:
+                return None                 # it flows on from a gradient already judged
+            stop = "nan" in self.break_on if nan else "inf-all" in self.break_on
+        else:
+            stop = kind in self.break_on
+        if not stop or self._opt_stop_step == self._steps:
+            return None
+        name = self._names.param(p, optimizer)
+        module, module_type = self._names.owner(name)
+        patterns = tuple(_ALLOWED) + self.allow
+        step_name = f"{type(optimizer).__name__}.step"
+        if patterns and (matches(patterns, (step_name,)) or (module and matches(patterns, (module,)))):
+            return None
+        self._opt_stop_step = self._steps
+        hyper = ", ".join(f"{k}={group[k]!r}" for k in ("lr", "momentum", "weight_decay", "eps")
+                          if k in group and not isinstance(group[k], Tensor))
+        whose = "the parameter" if what == "value" else f"its optimizer state {what!r}"
+        text = (f"{whose} became non-finite in {step_name}() ({hyper}); the op inside "
+                "step() is not pinned (`--watch exact` pins it)")
+        frame = _frames.user_frame(_caller(3))
+        file, line, function = _frames.location(frame)
+        from ..session import Violation
+        with self._own_ops():
+            inputs = [("gradient", _summary(grad) if isinstance(grad, Tensor) else repr(grad))]
+            output = _summary(x)
+        return Violation(
+            kind=kind, op="", torch_op=step_name, module=module, module_type=module_type,
+            stage="optimizer", frame=frame, file=file, line=line, function=function,
+            nan=nan, posinf=posinf, neginf=neginf, created=created,
+            culprit="" if created else "its gradient", output=output, inputs=inputs,
+            param=name, step=self._steps, text=text)
 
     # -- tiers: sentinels inside module calls, replays (see tiers.py) ------------------
     def _own_ops(self):
@@ -627,6 +705,7 @@ class Watch:
         t = self._t
         t.replaying += 1
         prev_top = self._top
+        reported = len(self.violations)
         try:
             with _tiers.replay_context(rng, autocast, module), \
                     (torch.enable_grad() if grads else _tiers.contextlib.nullcontext()):
@@ -644,9 +723,9 @@ class Watch:
                         torch.autograd.grad([o for o, _ in pairs], inputs,
                                             [g for _, g in pairs], allow_unused=True)
             return ""
-        except NonFiniteError:
-            raise
         except Exception as exc:  # noqa: BLE001 - the original call succeeded: never fail it
+            if isinstance(exc, NonFiniteError) or len(self.violations) > reported:
+                raise     # from the stop itself: `q` at the prompt (BdbQuit), action='raise'
             return f"re-running it raised {type(exc).__name__}: {exc}"
         finally:
             self._top = prev_top
@@ -712,9 +791,9 @@ class Watch:
             with _replay.replaying():
                 grads = torch.autograd.grad(roots, [o for _, _, o in targets], grad_tensors,
                                             retain_graph=True, allow_unused=True)
-        except NonFiniteError:
-            raise
-        except Exception:  # noqa: BLE001 - the real call raises what it raises, checked
+        except Exception as exc:  # noqa: BLE001 - the real call raises what it raises, checked
+            if isinstance(exc, NonFiniteError) or len(self.violations) > n0:
+                raise     # from a stop in the dry run: `q` at its prompt, action='raise'
             return proceed(tensors, grad_tensors, *args, **kwargs)
         for (call, pos, _), g in zip(targets, grads):
             if g is not None:
@@ -726,6 +805,7 @@ class Watch:
                 calls.append(call)
         popped = _tiers.pop_if_top(self._mode)
         t.bflag = None
+        t.device_grad_sums = []
         suspect = None
         t.in_backward += 1
         try:
@@ -752,6 +832,10 @@ class Watch:
         for call in calls:
             leaves.extend(_tiers.grad_inputs(call.module, call.args))
         bflag, t.bflag = t.bflag, None
+        if t.device_grad_sums:
+            sums, t.device_grad_sums = t.device_grad_sums, []
+            if bflag is None:
+                bflag = _tiers.first_nonfinite_sum(sums)
         if bflag is None and not _tiers.nonfinite_grads(leaves):
             t.judged_grads.clear()
             return None
@@ -1276,13 +1360,12 @@ class _GradSentinel:
         t = self.w._t
         if t.in_backward and t.bflag is None and isinstance(grad, Tensor) \
                 and _SUM_DTYPE.get(grad.dtype, 0) != 0 and _checkable(grad):
-            if grad.is_cpu:
-                sum_dtype = _SUM_DTYPE[grad.dtype]
-                s = grad.sum() if sum_dtype is None else grad.sum(dtype=sum_dtype)
-                bad = not _isfinite(s.item())
-            else:   # one sync per module output on devices: flag via the param check
-                bad = False
-            if bad:
+            if not grad.is_cpu:   # no sync here: read with the parameters' gradients
+                t.device_grad_sums.append((grad.detach().sum(dtype=_F32), self.record))
+                return None
+            sum_dtype = _SUM_DTYPE[grad.dtype]
+            s = grad.sum() if sum_dtype is None else grad.sum(dtype=sum_dtype)
+            if not _isfinite(s.item()):
                 counts = _counts(grad)
                 if sum(counts):
                     t.bflag = (self.record, counts)

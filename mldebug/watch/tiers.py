@@ -184,6 +184,8 @@ class TierState:
         self.fruitless: dict = {}    # flag pattern -> True: its replay found no stop
         self.judged_grads: set = set()   # id(param) whose non-finite grad was judged
         self.bflag = None            # (module record, counts): first bad output gradient
+        self.device_grad_sums: list = []  # (sum on device, record) of output gradients
+        self.opt_popped = False      # the optimizer step runs without the exact mode
 
 
 def mode_on_top(mode) -> bool:
@@ -221,6 +223,51 @@ def any_nonfinite(obj) -> bool:
             if not math.isfinite(t.detach().sum(dtype=_F32).item()):
                 return True
     return False
+
+
+def step_tensors(optimizer) -> list:
+    """[(tensor, param, 'value' or state key, param group)] an optimizer step writes:
+    its floating parameters and their floating state tensors."""
+    out = []
+    state = getattr(optimizer, "state", {})
+    for group in getattr(optimizer, "param_groups", ()):
+        for p in group.get("params", ()):
+            if not isinstance(p, Tensor) or not p.is_floating_point() \
+                    or p.layout is not torch.strided or p.is_meta:
+                continue
+            out.append((p, p, "value", group))
+            for key, value in (state.get(p) or {}).items():
+                if isinstance(value, Tensor) and value.is_floating_point() \
+                        and value.layout is torch.strided and not value.is_meta:
+                    out.append((value, p, key, group))
+    return out
+
+
+def any_nonfinite_sum(tensors) -> bool:
+    """One sum per tensor, one read per device: True when any may hold a NaN/Inf."""
+    by_device: dict = {}
+    for x in tensors:
+        by_device.setdefault(x.device, []).append(x.detach().sum(dtype=_F32))
+    for sums in by_device.values():
+        total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+        if not math.isfinite(total.item()):
+            return True
+    return False
+
+
+def first_nonfinite_sum(sums):
+    """(record, counts) of the first non-finite (sum, record) pair, read with one
+    transfer; counts are those of the sum (1 NaN / 1 +Inf / 1 -Inf): the tensor itself
+    is gone by then. None when all are finite."""
+    try:
+        values = torch.stack([s for s, _ in sums]).tolist()
+    except RuntimeError:   # several devices: one read each
+        values = [float(s) for s, _ in sums]
+    for value, (_, record) in zip(values, sums):
+        if not math.isfinite(value):
+            counts = (1, 0, 0) if value != value else (0, 1, 0) if value > 0 else (0, 0, 1)
+            return record, counts
+    return None
 
 
 def grad_inputs(module, args) -> list:
