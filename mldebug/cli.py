@@ -330,8 +330,10 @@ def run(args) -> int:
     saved_hook = sys.breakpointhook
     if not dap_mode:  # DAP mode: debugpy's own breakpoint() hook stays
         sys.breakpointhook = _debugger.set_trace
-    watch = _start_watch(session, args)
+    # the graph capture first: its module hooks run before the watch's, so at a stop that
+    # a re-run of a module call makes, the graph already holds that call's output
     always_on = _start_assertions(session, args)
+    watch = _start_watch(session, args)
     history = None
     if args.history == "on":  # mldebug/record/history.py: what `history` shows at a stop
         from .record.history import History

@@ -260,7 +260,11 @@ def test_graph_command_marks_the_assertion_and_the_failing_node(write_program):
     assert "(running)" in out            # the pause is inside the forward pass
 
 
-def test_graph_command_at_a_nan_stop_marks_the_module_in_progress(write_program):
+@pytest.mark.parametrize("mode", ["on", "exact"])
+def test_graph_command_at_a_nan_stop_marks_the_module_in_progress(write_program, mode):
+    """The pass is in progress at the stop. With the tiers (default) the stop is made by
+    re-running Bad's call once it returned: the graph holds Bad's output (all NaN); with
+    `--watch exact` the stop is inside Bad's log: Bad is still running."""
     prog = write_program("""
         import torch
         from torch import nn
@@ -272,12 +276,15 @@ def test_graph_command_at_a_nan_stop_marks_the_module_in_progress(write_program)
         model = nn.Sequential(nn.Linear(4, 4), Bad(), nn.Linear(4, 1))
         y = model(torch.randn(3, 4))
     """)
-    result = run_cli([str(prog)], stdin="graph\nq\n")
+    result = run_cli(["--watch", mode, str(prog)], stdin="graph\nq\n")
     out = result.stdout
     assert f"> {prog}({marker_line(prog)})forward()" in out
     assert "graph of Sequential (in progress): 3 module calls" in out
     bad_row = next(l for l in out.splitlines() if l.startswith("  1 ") and "Bad" in l)
-    assert "NaN/Inf!" in bad_row and "(running)" in bad_row
+    if mode == "exact":
+        assert "NaN/Inf!" in bad_row and "(running)" in bad_row
+    else:
+        assert "[3, 4] f32" in bad_row and "NaN!12" in bad_row and "NaN/Inf!" in bad_row
     linear_row = next(l for l in out.splitlines() if l.startswith("  0 "))
     assert "[3, 4] f32" in linear_row and "x∈[" in linear_row
 

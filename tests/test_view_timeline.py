@@ -64,6 +64,14 @@ def test_hist_grid_puts_every_step_on_one_value_grid():
     assert np.isnan(share[:, 2]).all()                      # step 4: no histogram
 
 
+def test_view_runs_takes_directories_and_names_a_bad_value():
+    import mldebug
+    from mldebug.view import data
+    with pytest.raises(TypeError, match="runs must be a directory path or a list of them, got 3"):
+        mldebug.view(0, runs=["somewhere", 3])
+    assert os.path.abspath("somewhere") not in data.run_dirs()   # nothing half-added
+
+
 # -- the page ---------------------------------------------------------------------------------
 def train(run_dir, name, lr, steps=STEPS, every=EVERY):
     import torch

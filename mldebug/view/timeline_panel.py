@@ -76,7 +76,8 @@ class TimelinePanel:
             r = fig.image(image="image", x="x", y="y", dw="dw", dh="dh", source=src,
                           color_mapper=mapper)
             fig.add_tools(HoverTool(renderers=[r], tooltips=[
-                ("step", "$x{0}"), ("value", "$y{0.000g}"), ("share", "@image{0.000}")]))
+                ("step", "$x{0}"), ("value", "$y{%.4g}"), ("share", "@image{0.000}")],
+                formatters={"$y": "printf"}))
             self.hist_src.append(src)
             self.hist_fig.append(fig)
             self.mappers.append(mapper)
@@ -109,9 +110,10 @@ class TimelinePanel:
             self.kpi_fig.line("step", "value", source=self.kpi_src[i], color=color, line_width=2)
         for fig, col in ((self.mean_fig, "mean"), (self.absmax_fig, "abs_max"),
                          (self.nonfinite_fig, "nonfinite")):
-            fig.add_tools(HoverTool(tooltips=[("step", "@step"), (col, f"@{col}{{0.000g}}")]))
-        self.kpi_fig.add_tools(HoverTool(tooltips=[("step", "@step"), ("value", "@value{0.0000g}")],
-                                         mode="vline"))
+            fig.add_tools(HoverTool(tooltips=[("step", "@step"), (col, f"@{col}{{%.4g}}")],
+                                    formatters={f"@{col}": "printf"}))
+        self.kpi_fig.add_tools(HoverTool(tooltips=[("step", "@step"), ("value", "@value{%.5g}")],
+                                         formatters={"@value": "printf"}, mode="vline"))
 
         # -- callbacks ---------------------------------------------------------------
         for widget in (self.run_a, self.run_b, self.series, self.kpi):

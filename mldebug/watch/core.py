@@ -577,8 +577,11 @@ class Watch:
                 continue
             d = out.detach()        # no autograd node for our own sum
             if out.requires_grad and _grad_enabled():
-                # the gradient of this output, checked when the real backward runs
-                out.register_hook(_GradSentinel(self, record))
+                # the gradient of this output, checked when the real backward runs: a
+                # pre-hook on its autograd node (cheaper to register than a tensor hook)
+                node = out.grad_fn
+                if node is not None:
+                    node.register_prehook(_GradSentinel(self, record, out.output_nr))
             if d.is_cpu:
                 s = d.sum() if sum_dtype is None else d.sum(dtype=sum_dtype)
                 if not _isfinite(s.item()) and t.flag is None:
@@ -1347,18 +1350,23 @@ class Watch:
 
 
 class _GradSentinel:
-    """Tensor hook on a module output: its gradient, checked with one sum during the
-    real backward (where the exact mode is off); the first bad one flags the backward."""
+    """Pre-hook on the autograd node of a module output: the output's gradient, checked
+    with one sum during the real backward (where the exact mode is off); the first bad
+    one flags the backward."""
 
-    __slots__ = ("w", "record")
+    __slots__ = ("w", "record", "index")
 
-    def __init__(self, watch, record):
+    def __init__(self, watch, record, index):
         self.w = watch
         self.record = record
+        self.index = index
 
-    def __call__(self, grad):
+    def __call__(self, grad_outputs):
         t = self.w._t
-        if t.in_backward and t.bflag is None and isinstance(grad, Tensor) \
+        if not t.in_backward or t.bflag is not None or self.index >= len(grad_outputs):
+            return None
+        grad = grad_outputs[self.index]
+        if isinstance(grad, Tensor) \
                 and _SUM_DTYPE.get(grad.dtype, 0) != 0 and _checkable(grad):
             if not grad.is_cpu:   # no sync here: read with the parameters' gradients
                 t.device_grad_sums.append((grad.detach().sum(dtype=_F32), self.record))
