@@ -58,6 +58,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import replay as _replay
 from .modnames import module_names
+from .structs import tensors_in
 from .summary import _num, short_dtype
 from .summary import summary as _tensor_summary
 
@@ -90,28 +91,7 @@ def _short(dtype) -> str:
     return name
 
 
-def _tensors(value, depth: int = 0):
-    """Tensors in an argument or output: tensor, tuple/list, dict (ModelOutput), dataclass."""
-    if isinstance(value, Tensor):
-        return [value]
-    if depth > 3:
-        return []
-    if isinstance(value, (tuple, list)):
-        out = []
-        for v in value:
-            out.extend(_tensors(v, depth + 1))
-        return out
-    if isinstance(value, dict):
-        out = []
-        for v in value.values():
-            out.extend(_tensors(v, depth + 1))
-        return out
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        out = []
-        for f in dataclasses.fields(value):
-            out.extend(_tensors(getattr(value, f.name, None), depth + 1))
-        return out
-    return []
+_tensors = tensors_in   # (the engine's one walk: mldebug/structs.py)
 
 
 def _meta(t: Tensor):

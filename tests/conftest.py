@@ -1,6 +1,7 @@
 """Shared helpers: run the real CLI in a subprocess, as a user would."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -12,6 +13,25 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PROGRAMS = Path(__file__).resolve().parent / "programs"
+# Debian's chromium, driven by Playwright (never a downloaded browser)
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-background-networking", "--disable-component-update",
+                 "--no-first-run", "--disable-sync"]
+
+
+@contextlib.contextmanager
+def headless_chromium():
+    """A headless /usr/bin/chromium launched by Playwright; skips the test without it."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} missing: apt-get install chromium (scripts/setup_vscode_e2e.sh does)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
 
 
 def clean_env(**extra) -> dict:

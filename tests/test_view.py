@@ -21,12 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env
+from conftest import CHROMIUM, CHROMIUM_ARGS, clean_env, headless_chromium  # noqa: F401
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--disable-background-networking", "--disable-component-update",
-                 "--no-first-run", "--disable-sync"]
 NAN_RGB, POSINF_RGB, NEGINF_RGB = (255, 0, 255), (255, 40, 40), (0, 230, 255)
 
 needs_chromium = pytest.mark.skipif(not Path(CHROMIUM).exists(),
@@ -85,13 +81,8 @@ def div_text(page, css_class: str) -> str:
 
 @pytest.fixture(scope="module")
 def browser():
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"{CHROMIUM} missing: apt-get install chromium")
-    sync_api = pytest.importorskip("playwright.sync_api")
-    with sync_api.sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+    with headless_chromium() as b:
         yield b
-        b.close()
 
 
 @pytest.fixture(scope="module")

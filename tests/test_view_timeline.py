@@ -11,7 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from test_view import CHROMIUM_ARGS, CHROMIUM, needs_chromium, wait_text
+from conftest import headless_chromium
+from test_view import needs_chromium, wait_text
 from mldebug.record.timeline import hist_grid, resample_hist
 
 STEPS, EVERY = 20, 2          # 20 loss points, 10 recorded steps per run
@@ -103,13 +104,8 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser():
-    if not os.path.exists(CHROMIUM):
-        pytest.skip(f"{CHROMIUM} missing")
-    sync_api = pytest.importorskip("playwright.sync_api")
-    with sync_api.sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+    with headless_chromium() as b:
         yield b
-        b.close()
 
 
 @pytest.fixture(scope="module")

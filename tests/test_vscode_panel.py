@@ -15,13 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import CHROMIUM, CHROMIUM_ARGS, headless_chromium  # noqa: F401
+
 REPO = Path(__file__).resolve().parents[1]
 EXT = REPO / "vscode-extension"
 FIXTURES = EXT / "test" / "fixtures"
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--disable-background-networking", "--disable-component-update",
-                 "--no-first-run", "--disable-sync"]
 ORIGIN = "https://mldebug-panel.test"
 NONCE = "dGVzdC1ub25jZQ=="
 
@@ -70,12 +68,9 @@ def _page_html() -> str:
 
 @pytest.fixture(scope="module")
 def browser():
-    sync_api = pytest.importorskip("playwright.sync_api")
     _build_if_stale()
-    with sync_api.sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+    with headless_chromium() as b:
         yield b
-        b.close()
 
 
 @pytest.fixture

@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 from .. import autograd_patch as _autograd_patch
 from .. import frames as _frames
 from .. import replay as _replay
+from ..structs import tensors_in
 from . import registry as _registry
 from .base import (BACKWARD, BEFORE_BACKWARD, BEFORE_STEP, FORWARD, OPTIMIZER, STOP_STAGE,
                    FunctionAssertion, ParamAssertion, TensorAssertion, TensorNodeAssertion)
@@ -68,16 +69,7 @@ def _unpatch_backward() -> None:
     _autograd_patch.remove(_around_backward)
 
 
-def _tensors(x, depth=0):
-    if isinstance(x, Tensor):
-        return [x]
-    if depth > 2:
-        return []
-    if isinstance(x, (tuple, list)):
-        return [t for v in x for t in _tensors(v, depth + 1)]
-    if isinstance(x, dict):
-        return [t for v in x.values() for t in _tensors(v, depth + 1)]
-    return []
+_tensors = tensors_in   # (the engine's one walk: mldebug/structs.py)
 
 
 class _FnMode(TorchFunctionMode):

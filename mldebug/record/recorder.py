@@ -20,6 +20,7 @@ from torch.optim import optimizer as _optim_hooks
 from .. import replay as _replay
 from ..errors import UsageError
 from ..modnames import module_names
+from ..structs import tensors_in
 from . import stats as _stats
 from .store import SCALAR_FLUSH_S, Writer, check_run_name, run_path
 
@@ -64,22 +65,7 @@ class Capture:
                              f"{', '.join(REDUCTIONS)}, reduction={self.reduction!r}")
 
 
-def _tensors(value, depth: int = 0) -> list:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if depth > 2:
-        return []
-    if isinstance(value, (tuple, list)):
-        out = []
-        for v in value:
-            out.extend(_tensors(v, depth + 1))
-        return out
-    if isinstance(value, dict):
-        out = []
-        for v in value.values():
-            out.extend(_tensors(v, depth + 1))
-        return out
-    return []
+_tensors = tensors_in   # (the engine's one walk: mldebug/structs.py)
 
 
 def _select(model: nn.Module, spec, what: str) -> list:

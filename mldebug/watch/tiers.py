@@ -37,6 +37,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from .. import replay as _replay
+from ..structs import tensors_in
 
 _F32 = torch.float32
 _pop_mode = torch._C._pop_torch_dispatch_stack
@@ -54,18 +55,7 @@ MAX_CALLS = 4          # outermost calls remembered for a backward replay (an ou
 MAX_PATTERNS = 256     # flagged patterns whose replay found no stop
 
 
-def flat_tensors(obj, depth: int = 0) -> list:
-    """The tensors of a module's output, in a stable order (tuples, lists, dicts and
-    dict-like outputs such as transformers' ModelOutput)."""
-    if isinstance(obj, Tensor):
-        return [obj]
-    if depth > 3:
-        return []
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in flat_tensors(v, depth + 1)]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in flat_tensors(v, depth + 1)]
-    return []
+flat_tensors = tensors_in   # module outputs, in the order the replay matches them
 
 
 def call_kwargs(start) -> dict:
