@@ -86,7 +86,8 @@ class Writer:
     """Writes one run. Every method is safe to call after a failure (it does nothing).
 
     With `background=True` the work handed to `submit(fn)` runs on one writer thread, in
-    order (the queue holds at most two jobs: a program that outruns the disk waits).
+    order; `submit` first waits for the previous job to be committed, so a program killed
+    at any moment loses at most the step whose write is in flight (the issue's promise).
     The thread is marked so that debugpy neither traces nor suspends it."""
 
     def __init__(self, path: str, meta: dict, background: bool = True):
@@ -130,6 +131,7 @@ class Writer:
             except Exception as exc:  # noqa: BLE001
                 self._fail(exc)
             return
+        self._queue.join()     # the previous step is on disk before the next is handed over
         self._queue.put(fn)
 
     def _work(self) -> None:
