@@ -309,3 +309,17 @@ def test_an_optimizer_with_a_closure_keeps_the_per_op_check():
         opt.step(closure)
     assert got and got[0].op == "aten.sqrt.default" and got[0].created
     assert got[0].line == lineno(test_an_optimizer_with_a_closure_keeps_the_per_op_check)
+
+
+def test_after_a_stop_in_the_loss_backward_the_optimizer_step_is_not_a_new_stop():
+    """examples/nan_loss.py's bug: log(softmax) written by hand in the training loop, finite
+    forward, -inf in LogBackward0 (the dry run of the loss's backward stops there); the
+    NaN gradients it leads to are not a second stop at optimizer.step()."""
+    import os
+    import runpy
+    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "examples", "nan_loss.py")
+    got, w = collect()
+    with w:
+        runpy.run_path(example, run_name="__main__")
+    assert [(v.stage, v.node) for v in got] == [("backward", "LogBackward0")]

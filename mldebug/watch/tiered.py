@@ -153,6 +153,7 @@ class TieredChecks:
         key = (id(module), tuple(c > 0 for c in counts))
         if key in t.fruitless:
             t.flag = None             # replayed before: judged, not a stop
+            self._taint_outputs(flat_tensors(output), t.fruitless[key])
             return
         kwargs = _tiers.call_kwargs(_caller(1))
         parent = record[1]
@@ -187,7 +188,9 @@ class TieredChecks:
         if flag is not None and not t.done:
             record, counts = flag
             key = (id(module), tuple(c > 0 for c in counts))
-            if key not in t.fruitless:
+            if key in t.fruitless:
+                self._taint_outputs(flat_tensors(output), t.fruitless[key])
+            else:
                 kwargs = _tiers.call_kwargs(_caller(1))
                 self._replay_forward(module, args, kwargs, rng, output, (module, None),
                                      counts, key)
@@ -248,6 +251,13 @@ class TieredChecks:
                     out = module.forward(*args, **kwargs)
                 finally:
                     self._top = prev_top
+                t.replay_lineage = False
+                if not grads:   # do the re-run's outputs descend from a reported stop?
+                    with self._own_ops():
+                        for o in flat_tensors(out):
+                            known = self._taint_get(o) if _floating(o) else None
+                            if known is not None and known[2]:
+                                t.replay_lineage = True
                 if grads:
                     flat = flat_tensors(out)
                     pairs = [(flat[pos], g) for pos, g in grads.items()
@@ -275,15 +285,16 @@ class TieredChecks:
                                   record=record)
         finally:
             stopped = len(self.violations) > n0
-            self._taint_outputs(flat_tensors(output), stopped)
+            lineage = stopped or t.replay_lineage
+            self._taint_outputs(flat_tensors(output), lineage)
         if stopped:
             t.done = True     # what flows on from it in this call is not a new stop
             return
         if self._judged > j0:
             # judged and not a stop (a constant Inf, an allowed op, a known NaN): the
-            # same pattern again needs no replay
+            # same pattern again needs no replay, only the same judgement of its output
             if len(t.fruitless) < _tiers.MAX_PATTERNS:
-                t.fruitless[key] = True
+                t.fruitless[key] = lineage
             return
         t.done = True
         self._report_unpinned("forward", counts, record=record, reason=reason)
@@ -344,14 +355,19 @@ class TieredChecks:
         t.in_backward += 1
         try:
             result = proceed(tensors, grad_tensors, *args, **kwargs)
-            if not stopped and not self._skip:
+            if not self._skip:
                 suspect = self._suspect_grads(calls)   # (with the mode still off)
         finally:
             t.in_backward -= 1
             if popped:
                 _tiers.push(self._mode)
         try:
-            if not stopped and not self._skip and suspect is not None:
+            if stopped and suspect is not None:
+                # the dry run stopped on the loss's backward: the bad gradients descend
+                # from that stop (the optimizer must not call them a new one)
+                for p, c in suspect[0]:
+                    self._taint_add(p.grad, c[0] > 0, c[1] + c[2] > 0, True)
+            elif suspect is not None and not self._skip:
                 self._pin_backward(calls, *suspect)
         finally:
             if not opts.get("retain_graph"):

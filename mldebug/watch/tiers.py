@@ -176,6 +176,7 @@ class TierState:
         self.bflag = None            # (module record, counts): first bad output gradient
         self.device_grad_sums: list = []  # (sum on device, record) of output gradients
         self.opt_popped = False      # the optimizer step runs without the exact mode
+        self.replay_lineage = False  # the last re-run's outputs descend from a stop
 
 
 def mode_on_top(mode) -> bool:
