@@ -22,6 +22,7 @@ from bokeh.plotting import figure
 from .. import slicing as _slicing
 from . import data as _data
 from . import state as _state
+from .server import on_doc_thread
 from .timeline_panel import TimelinePanel
 
 NAN_COLOR, POSINF_COLOR, NEGINF_COLOR = "#ff00ff", "#ff2828", "#00e6ff"
@@ -311,10 +312,7 @@ class Page:
         self.server.submit(job)
 
     def _later(self, fn, *args):
-        try:
-            self.doc.add_next_tick_callback(partial(fn, *args))
-        except Exception:  # noqa: BLE001 - the page went away
-            pass
+        on_doc_thread(self.doc, fn, *args)
 
     def _show_error(self, serial, text):
         if serial != self.serial:

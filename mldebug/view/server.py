@@ -36,6 +36,15 @@ DEFAULT_PORT = 5006
 START_TIMEOUT_S = 60
 
 
+
+def on_doc_thread(doc, fn, *args) -> None:
+    """Run FN(*ARGS) on DOC's IOLoop: the only way other threads touch a Bokeh document.
+    A page that went away in the meantime is not an error."""
+    try:
+        doc.add_next_tick_callback(lambda: fn(*args))
+    except Exception:  # noqa: BLE001 - the page went away
+        pass
+
 class ViewError(RuntimeError):
     """The browser view could not start (the message says why)."""
 

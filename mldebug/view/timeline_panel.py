@@ -15,7 +15,6 @@ Sections read data / plots / widgets / callbacks, as in app.py.
 from __future__ import annotations
 
 import html
-from functools import partial
 
 from bokeh.layouts import column, row
 from bokeh.models import (Button, ColumnDataSource, HoverTool, LinearColorMapper, Range1d,
@@ -24,6 +23,7 @@ from bokeh.palettes import Viridis256
 from bokeh.plotting import figure
 
 from . import data as _data
+from .server import on_doc_thread
 
 COLORS = ("#1c7ed6", "#e8590c")          # run A, run B
 NO_RUN = ""                              # "Compare with: (none)"
@@ -176,10 +176,7 @@ class TimelinePanel:
         self.server.submit(job)
 
     def _later(self, fn, *args):
-        try:
-            self.doc.add_next_tick_callback(partial(fn, *args))
-        except Exception:  # noqa: BLE001 - the page went away
-            pass
+        on_doc_thread(self.doc, fn, *args)
 
     # -- drawing (IOLoop, from the worker's results) -------------------------------------
     def _show_error(self, serial, text):

@@ -278,19 +278,10 @@ def grad_inputs(module, args) -> list:
 
 
 def nonfinite_grads(tensors) -> bool:
-    """True when any gradient among TENSORS' `.grad` may be non-finite: one sum per
-    gradient and a single read per device (an overflowing sum of finite values is sorted
-    out by the caller). Per-tensor sums, not `_foreach_norm`: on CPU that decomposes into
-    many small ops and is ~10x slower for a handful of tensors."""
-    by_device: dict = {}
-    for t in tensors:
-        g = t.grad
-        if g is not None and g.is_floating_point() and g.layout is torch.strided:
-            by_device.setdefault(g.device, []).append(g.detach().sum(dtype=_F32))
-    if not by_device:
-        return False
-    for sums in by_device.values():
-        total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
-        if not math.isfinite(total.item()):
-            return True
-    return False
+    """True when any gradient among TENSORS' `.grad` may be non-finite (an overflowing sum
+    of finite values is sorted out by the caller). Per-tensor sums, not `_foreach_norm`:
+    on CPU that decomposes into many small ops and is ~10x slower for a handful of
+    tensors."""
+    return any_nonfinite_sum([t.grad for t in tensors if t.grad is not None
+                              and t.grad.is_floating_point()
+                              and t.grad.layout is torch.strided])
