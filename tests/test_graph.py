@@ -262,9 +262,11 @@ def test_graph_command_marks_the_assertion_and_the_failing_node(write_program):
 
 @pytest.mark.parametrize("mode", ["on", "exact"])
 def test_graph_command_at_a_nan_stop_marks_the_module_in_progress(write_program, mode):
-    """The pass is in progress at the stop. With the tiers (default) the stop is made by
-    re-running Bad's call once it returned: the graph holds Bad's output (all NaN); with
-    `--watch exact` the stop is inside Bad's log: Bad is still running."""
+    """With `--watch exact` the stop is inside Bad's log: the pass is in progress and Bad
+    is still running. With the tiers (default) Bad's output is left to the Linear after
+    it to show (tiers.sequential_plan); that flag defers to the Sequential, whose re-run
+    once it returned makes the stop: the graph is complete and holds Bad's output (all
+    NaN)."""
     prog = write_program("""
         import torch
         from torch import nn
@@ -279,14 +281,15 @@ def test_graph_command_at_a_nan_stop_marks_the_module_in_progress(write_program,
     result = run_cli(["--watch", mode, str(prog)], stdin="graph\nq\n")
     out = result.stdout
     assert f"> {prog}({marker_line(prog)})forward()" in out
-    assert "graph of Sequential (in progress): 3 module calls" in out
     bad_row = next(l for l in out.splitlines() if l.startswith("  1 ") and "Bad" in l)
     if mode == "exact":
+        assert "graph of Sequential (in progress): 3 module calls" in out
         assert "NaN/Inf!" in bad_row and "(running)" in bad_row
+        linear_row = next(l for l in out.splitlines() if l.startswith("  0 "))
+        assert "[3, 4] f32" in linear_row and "x∈[" in linear_row
     else:
+        assert "graph of Sequential (complete): 4 module calls" in out
         assert "[3, 4] f32" in bad_row and "NaN!12" in bad_row and "NaN/Inf!" in bad_row
-    linear_row = next(l for l in out.splitlines() if l.startswith("  0 "))
-    assert "[3, 4] f32" in linear_row and "x∈[" in linear_row
 
 
 def test_always_on_capture_recovers_after_a_base_exception_in_forward():

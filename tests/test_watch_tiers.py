@@ -323,3 +323,146 @@ def test_after_a_stop_in_the_loss_backward_the_optimizer_step_is_not_a_new_stop(
     with w:
         runpy.run_path(example, run_name="__main__")
     assert [(v.stage, v.node) for v in got] == [("backward", "LogBackward0")]
+
+
+class RootFeature(nn.Module):
+    def forward(self, x):
+        return torch.sqrt(x)  # here
+
+
+def count_dry_runs(monkeypatch):
+    """Calls of torch.autograd.grad with retain_graph=True: the watch's dry runs."""
+    calls = []
+    real = torch.autograd.grad
+
+    def spy(*args, **kwargs):
+        if kwargs.get("retain_graph"):
+            calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", spy)
+    return calls
+
+
+def test_a_safe_loss_region_skips_the_dry_run_and_the_models_backward_is_still_pinned(
+        monkeypatch):
+    """cross_entropy and x**2 have backward nodes that cannot make a NaN/Inf from finite
+    values: no dry run; the output's gradient is kept by its node's pre-hook, and the
+    replay of the model's backward from it still stops at the sqrt."""
+    dry = count_dry_runs(monkeypatch)
+    for make_loss in (lambda out: F.cross_entropy(out, torch.tensor([0, 1] * 4)),
+                      lambda out: out.pow(2).mean()):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), RootFeature(), nn.Linear(6, 2))
+        got, w = collect()
+        with w:
+            make_loss(model(torch.randn(8, 4))).backward()
+        assert dry == []
+        assert len(got) == 1
+        v = got[0]
+        assert (v.stage, v.node, v.module, v.module_type, v.torch_op) == (
+            "backward", "SqrtBackward0", "2", "RootFeature", "torch.sqrt")
+        assert v.line == lineno(RootFeature.forward)
+    # a loss whose own backward can blow up (x ** 0.5) still gets its dry run
+    model = nn.Linear(4, 1)
+    with collect()[1]:
+        model(torch.randn(8, 4)).abs().pow(0.5).mean().backward()
+    assert len(dry) == 1
+
+
+def test_an_overflow_in_the_unchecked_loss_region_is_still_a_stop_that_says_where():
+    """A float16 model and a loss in float32 scaled by 1e5: the gradient cast back to
+    float16 overflows in ToCopyBackward0, a node of the loss region that has no dry run
+    (only an overflow can make it non-finite). The output's gradient is checked: a stop
+    at loss.backward() naming the region's nodes; `--watch exact` pins the op."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).half()
+    x = torch.randn(3, 4).half()
+    got, w = collect()
+    with w:
+        loss = (model(x).float() * 1e5).sum()
+        loss.backward()  # here
+    assert len(got) == 1
+    v = got[0]
+    assert (v.stage, v.kind, v.op, v.module_type) == ("backward", "inf", "", "Linear")
+    assert "gradient of output 0 of Linear" in v.text
+    assert "ToCopyBackward0" in v.text and "--watch exact" in v.text
+    assert v.line == lineno(
+        test_an_overflow_in_the_unchecked_loss_region_is_still_a_stop_that_says_where)
+    # the optimizer must not stop again on the gradients that descend from it
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with w:
+        opt.step()
+    assert len(got) == 1
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).half()
+    got, w = collect(exact=True)
+    with w:
+        (model(x).float() * 1e5).sum().backward()
+    assert [(v.stage, v.node) for v in got] == [("backward", "ToCopyBackward0")]
+
+
+class Overflow(nn.Module):
+    def forward(self, x):
+        return x * 1e38 * 1e1  # here
+
+
+def test_an_output_whose_check_a_sequential_leaves_to_the_next_child_is_still_pinned():
+    """In Sequential(Linear, Overflow, Linear, ReLU) the Inf leaving Overflow is not
+    summed (the Linear after it shows any NaN/Inf); the flag on that Linear defers to the
+    Sequential, whose exact re-run stops at the multiplication in Overflow."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Overflow(), nn.Linear(4, 4), nn.ReLU())
+    got, w = collect()
+    with w:
+        model(torch.ones(2, 4))
+    assert [(v.kind, v.op, v.module, v.module_type, v.stage, v.created) for v in got] == [
+        ("inf", "aten.mul.Tensor", "1", "Overflow", "forward", True)]
+    assert got[0].line == lineno(Overflow.forward)
+    # the plan follows the Sequential: a ReLU put after Overflow absorbs -Inf, so
+    # Overflow's own output is checked again (and the stop is the same)
+    model[2] = nn.ReLU()
+    got, w = collect()
+    with w:
+        model(-torch.ones(2, 4))
+    assert [(v.op, v.module) for v in got] == [("aten.mul.Tensor", "1")]
+    from mldebug.watch import tiers
+    plan = tiers.sequential_plan(model)
+    assert plan[id(model[1])] == tiers.NO_GRAD_CHECK           # next is a ReLU now
+    assert plan[id(model[0])] == 0                             # next is custom code
+
+
+def test_an_overflow_in_the_backward_of_plain_layers_is_caught_at_the_step():
+    """Sequential(Linear, Linear): no user code in the model, so its parameters'
+    gradients are not summed after backward (they follow from the checked gradient of
+    its output). An overflow in the second Linear's backward (1e39 in float32) is then
+    seen by the step's check: a stop at opt.step() that says the gradient was made
+    non-finite in backward; the exact mode pins the op."""
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+        with torch.no_grad():
+            model[0].weight.fill_(1e-31)
+            model[0].bias.zero_()
+            model[1].weight.fill_(1e38)
+            model[1].bias.zero_()
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    x = torch.ones(2, 4)
+    model, opt = build()
+    got, w = collect()
+    with w:
+        (model(x).sum() * 10).backward()
+        assert got == []
+        opt.step()  # here
+    assert len(got) == 1
+    v = got[0]
+    assert (v.stage, v.param, v.culprit, v.torch_op) == (
+        "optimizer", "0.weight", "its gradient", "SGD.step")
+    assert "already non-finite" in v.text and "overflow" in v.text
+    assert v.line == lineno(test_an_overflow_in_the_backward_of_plain_layers_is_caught_at_the_step)
+    model, opt = build()
+    got, w = collect(exact=True)
+    with w:
+        (model(x).sum() * 10).backward()
+    assert [(v.stage, v.created, v.kind) for v in got] == [("backward", True, "inf")]

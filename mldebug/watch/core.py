@@ -47,9 +47,20 @@ _is_user_file = _frames.is_user_file
 WINDOW_MAX = 1024          # device window: read the flags at least every this many ops
 METADATA_KEY = "mldebug"   # grad_fn.metadata key holding the forward op's provenance
 
+_OP_INFOS: dict = {}       # id(overload) -> OpInfo, for every watch (info.func keeps
+                           # the overload alive, so its id stays unique)
 _ACTIVE = None             # the running Watch
 _DYNAMO_MARKED = False     # code objects marked for dynamo to skip
 _IN_CHILD = False          # set in forked children (DataLoader workers): do nothing
+
+
+_Sequential = torch.nn.Sequential
+
+
+def _plan(module):
+    """Module records inside calls hold (module, parent record, RNG, plan): the plan of
+    an exact nn.Sequential says which children's outputs need no sentinel (tiers.py)."""
+    return _tiers.sequential_plan(module) if type(module) is _Sequential else None
 
 
 def _after_fork_in_child():
@@ -194,7 +205,7 @@ class Watch(TieredChecks):
         self.action = action
         self.on_violation = on_violation
         self.violations: list = []
-        self._infos: dict = {}
+        self._infos = _OP_INFOS     # shared: an OpInfo depends on the overload only
         self._mode = None
         self._handles: list = []
         self._started = False
@@ -353,11 +364,11 @@ class Watch(TieredChecks):
                 t.last_out = None
                 t.popped = _tiers.pop_if_top(self._mode)
                 if t.popped:
-                    self._top = (module, None, t.start_rng)
+                    self._top = (module, None, t.start_rng, _plan(module))
                     return None
-        elif t.popped:
+        elif t.popped and not t.replaying:
             # the RNG as this call starts: a replay of just this call draws the same
-            self._top = (module, top, _tiers.rng_state(t.cuda_rng))
+            self._top = (module, top, _tiers.rng_state(t.cuda_rng), _plan(module))
             return None
         self._top = (module, top)
         return None
@@ -374,8 +385,9 @@ class Watch(TieredChecks):
             return None
         top = self._top
         t = self._t
-        if t.popped and output is not None and top is not None and top[0] is module:
-            self._sentinel(output, top)
+        if (t.popped and not t.replaying and output is not None and top is not None
+                and top[0] is module):
+            self._sentinel(output, top)      # (a re-run has the exact mode on instead)
             if t.flag is not None and t.flag[0] is top and not t.done:
                 self._flagged_call(module, args, output, top)
         if top is not None and top[0] is module:
@@ -595,6 +607,12 @@ class Watch(TieredChecks):
         if len(self._taint) > 4096:
             self._taint = {k: r for k, r in self._taint.items() if r[0]() is not None}
         self._taint[ptr] = (ref, self._version(t), has_nan, has_inf, lineage)
+
+    def _no_live_taint(self) -> bool:
+        """Whether no non-finite tensor judged so far is still alive (dead ones dropped)."""
+        if self._taint:
+            self._taint = {k: r for k, r in self._taint.items() if r[0]() is not None}
+        return not self._taint
 
     def _taint_get(self, t):
         """(has_nan, has_inf, lineage) if `t`'s current non-finite values were already

@@ -54,11 +54,17 @@ class TieredChecks:
         grad = p.grad
         grad_counts = _counts(grad) if isinstance(grad, Tensor) and _floating(grad) else (0, 0, 0)
         created = not sum(grad_counts)
+        unjudged = False
         if not created:
             known = self._taint_get(grad)
             if known is not None:
                 return None                 # it flows on from a gradient already judged
-            stop = "nan" in self.break_on if nan else "inf-all" in self.break_on
+            # a gradient no check judged: made by the backward of layers whose gradients
+            # are not checked one by one (tiers._params_to_check: only an overflow makes
+            # one there), or written outside the watch
+            unjudged = True
+            gkind = "nan" if grad_counts[0] else "inf"
+            stop = gkind in self.break_on or "inf-all" in self.break_on
         else:
             stop = kind in self.break_on
         if not stop or self._opt_stop_step == self._steps:
@@ -73,8 +79,14 @@ class TieredChecks:
         hyper = ", ".join(f"{k}={group[k]!r}" for k in ("lr", "momentum", "weight_decay", "eps")
                           if k in group and not isinstance(group[k], Tensor))
         whose = "the parameter" if what == "value" else f"its optimizer state {what!r}"
-        text = (f"{whose} became non-finite in {step_name}() ({hyper}); the op inside "
-                "step() is not pinned (`--watch exact` pins it)")
+        if unjudged:
+            text = (f"{whose} became non-finite in {step_name}() ({hyper}) from its "
+                    "gradient, which was already non-finite: made in backward by an "
+                    "overflow in layers whose gradients are checked only where they "
+                    "leave them (`--watch exact` pins the op)")
+        else:
+            text = (f"{whose} became non-finite in {step_name}() ({hyper}); the op inside "
+                    "step() is not pinned (`--watch exact` pins it)")
         frame = _frames.user_frame(_caller(3))
         file, line, function = _frames.location(frame)
         from ..session import Violation
@@ -100,19 +112,28 @@ class TieredChecks:
         """A module's output, checked with one sum per tensor while the exact mode is off."""
         t = self._t
         outs = (output,) if isinstance(output, Tensor) else flat_tensors(output)
+        sentinels = []              # by position in outs (an outermost call's are kept)
+        parent = record[1]
+        plan = parent[3] if parent is not None and len(parent) > 3 else None
+        code = plan.get(id(record[0]), 0) if plan else 0
         for out in outs:
-            if out is t.last_out:
-                continue            # a parent returning its child's output
+            if out is t.last_out:   # a parent returning its child's output
+                sentinels.append(t.last_sentinels[-1] if t.last_sentinels else None)
+                continue
+            sentinels.append(None)
             sum_dtype = _SUM_DTYPE.get(out.dtype, 0)
             if sum_dtype == 0 or not _checkable(out):
                 continue
             d = out.detach()        # no autograd node for our own sum
-            if out.requires_grad and _grad_enabled():
+            if out.requires_grad and not code & _tiers.NO_GRAD_CHECK and _grad_enabled():
                 # the gradient of this output, checked when the real backward runs: a
                 # pre-hook on its autograd node (cheaper to register than a tensor hook)
                 node = out.grad_fn
                 if node is not None:
-                    node.register_prehook(_GradSentinel(self, record, out.output_nr))
+                    sentinels[-1] = _GradSentinel(self, record, out.output_nr)
+                    node.register_prehook(sentinels[-1])
+            if code & _tiers.NO_FORWARD_CHECK:
+                continue            # the next child in its Sequential shows it
             if d.is_cpu:
                 s = d.sum() if sum_dtype is None else d.sum(dtype=sum_dtype)
                 if not _isfinite(s.item()) and t.flag is None:
@@ -121,9 +142,11 @@ class TieredChecks:
                 t.device_sums.append((d.sum(dtype=_F32), weakref.ref(out), record))
         if outs:
             t.last_out = outs[-1]
+            t.last_sentinels = sentinels
 
     def _sentinel_flag(self, out, record):
-        counts = _counts(out)
+        with self._own_ops():
+            counts = _counts(out)
         if sum(counts):             # (else: a finite sum that overflowed)
             self._t.flag = (record, counts)
 
@@ -178,6 +201,7 @@ class TieredChecks:
                 self._flush_device_sums()
         flag, t.flag = t.flag, None
         rng, t.start_rng = t.start_rng, None
+        sentinels, t.last_sentinels = t.last_sentinels, []
         t.last_out = None
         if output is None or rng is None:
             return                    # the call raised
@@ -202,6 +226,8 @@ class TieredChecks:
         if kwargs is None:
             kwargs = _tiers.call_kwargs(_caller(1))
         call = RootCall(module, args, kwargs, rng, _tiers.autocast_state(), outs)
+        if len(sentinels) == len(outs):
+            call.sentinels = sentinels
         t.calls.append(call)
         for pos, o in enumerate(outs):
             if o.requires_grad:
@@ -332,17 +358,20 @@ class TieredChecks:
         if not targets:
             return proceed(tensors, grad_tensors, *args, **kwargs)   # exact all through
         n0 = len(self.violations)
-        try:
-            with _replay.replaying():
-                grads = torch.autograd.grad(roots, [o for _, _, o in targets], grad_tensors,
-                                            retain_graph=True, allow_unused=True)
-        except Exception as exc:  # noqa: BLE001 - the real call raises what it raises, checked
-            if isinstance(exc, NonFiniteError) or len(self.violations) > n0:
-                raise     # from a stop in the dry run: `q` at its prompt, action='raise'
-            return proceed(tensors, grad_tensors, *args, **kwargs)
-        for (call, pos, _), g in zip(targets, grads):
-            if g is not None:
-                call.grads[pos] = g
+        armed = self._arm_output_sentinels(roots, targets)
+        if not armed:
+            try:
+                with _replay.replaying():
+                    grads = torch.autograd.grad(roots, [o for _, _, o in targets],
+                                                grad_tensors, retain_graph=True,
+                                                allow_unused=True)
+            except Exception as exc:  # noqa: BLE001 - the real call raises what it raises
+                if isinstance(exc, NonFiniteError) or len(self.violations) > n0:
+                    raise     # from a stop in the dry run: `q` at its prompt, action='raise'
+                return proceed(tensors, grad_tensors, *args, **kwargs)
+            for (call, pos, _), g in zip(targets, grads):
+                if g is not None:
+                    call.grads[pos] = g
         stopped = len(self.violations) > n0
         calls = []
         for call, _, _ in targets:
@@ -353,34 +382,94 @@ class TieredChecks:
         t.device_grad_sums = []
         suspect = None
         t.in_backward += 1
+        t.loss_bflag = None
+        t.device_loss_sums = []
         try:
             result = proceed(tensors, grad_tensors, *args, **kwargs)
             if not self._skip:
-                suspect = self._suspect_grads(calls)   # (with the mode still off)
+                if armed:
+                    self._read_output_grad_sums()
+                # (with the mode still off; a loss region that needed the dry run may
+                # hold other paths into parameters: then every gradient is checked)
+                suspect = self._suspect_grads(calls, checked_only=bool(armed))
         finally:
             t.in_backward -= 1
+            for sentinel in armed:
+                sentinel.call = None
             if popped:
                 _tiers.push(self._mode)
         try:
-            if stopped and suspect is not None:
-                # the dry run stopped on the loss's backward: the bad gradients descend
-                # from that stop (the optimizer must not call them a new one)
+            if t.loss_bflag is not None and not self._skip:
+                stopped = self._report_loss_region(roots, targets)
+            if (stopped or t.loss_bflag is not None) and suspect is not None:
+                # the loss's backward made them (a stop in the dry run, or the unchecked
+                # region's overflow): the bad gradients descend from that (the optimizer
+                # must not call them a new one), no replay of the model's backward
                 for p, c in suspect[0]:
-                    self._taint_add(p.grad, c[0] > 0, c[1] + c[2] > 0, True)
+                    self._taint_add(p.grad, c[0] > 0, c[1] + c[2] > 0, stopped)
             elif suspect is not None and not self._skip:
                 self._pin_backward(calls, *suspect)
         finally:
+            t.loss_bflag = None
             if not opts.get("retain_graph"):
                 self._forget_calls(calls)
         return result
 
-    def _suspect_grads(self, calls):
+    def _arm_output_sentinels(self, roots, targets) -> list:
+        """When the loss region (the autograd graph from the loss down to the model's
+        outputs) is made only of nodes whose backward cannot make a NaN/Inf from finite
+        values (tiers.SAFE_BACKWARD), the dry run is skipped: the pre-hooks on the model
+        outputs' nodes then keep each output's gradient for a replay and check it.
+        [] when the dry run is needed: also while a non-finite value judged before is
+        alive (the loss region may then be non-finite already: its backward is judged
+        op by op)."""
+        if not self._no_live_taint():
+            return []
+        armed = []
+        for call, pos, _ in targets:
+            sentinel = call.sentinels[pos] if pos < len(call.sentinels) else None
+            if sentinel is None:
+                return []          # an output without a pre-hook: no gradient to keep
+            armed.append((sentinel, call, pos))
+        if not _tiers.loss_region_safe(roots, boundary_of(targets)):
+            return []
+        for sentinel, call, pos in armed:
+            sentinel.call, sentinel.pos = call, pos
+        return [sentinel for sentinel, _, _ in armed]
+
+    def _read_output_grad_sums(self):
+        t = self._t
+        sums, t.device_loss_sums = t.device_loss_sums, []
+        if sums and t.loss_bflag is None:
+            found = _tiers.first_nonfinite_sum([(s, (call, pos)) for s, call, pos in sums])
+            if found is not None:
+                (call, pos), counts = found
+                t.loss_bflag = (call, pos, counts)
+
+    def _report_loss_region(self, roots, targets) -> bool:
+        """A model output's gradient came out of the unchecked loss region non-finite
+        (an overflow): a stop at `loss.backward()` that names the region's nodes."""
+        call, pos, counts = self._t.loss_bflag
+        n0 = len(self.violations)
+        nodes = _tiers.loss_region_nodes(roots, boundary_of(targets))
+        module, module_type = self._names.path((call.module, None))
+        self._report_unpinned(
+            "backward", counts, record=(call.module, None),
+            what=f"the gradient of output {pos} of {module or module_type}",
+            reason=f"the loss's backward ({', '.join(nodes) or 'no node'}) made it from "
+                   "finite values (an overflow); it runs op by op only with "
+                   "`--watch exact`, which pins the op")
+        return len(self.violations) > n0
+
+    def _suspect_grads(self, calls, checked_only=False):
         """After the real backward (exact mode still off): None when every gradient is
-        finite, else (bad [(param, counts)], new of those, first bad output gradient)."""
+        finite, else (bad [(param, counts)], new of those, first bad output gradient).
+        CHECKED_ONLY: leave out the gradients that follow from checked ones
+        (tiers._params_to_check)."""
         t = self._t
         leaves = []
         for call in calls:
-            leaves.extend(_tiers.grad_inputs(call.module, call.args))
+            leaves.extend(_tiers.grad_inputs(call.module, call.args, checked_only))
         bflag, t.bflag = t.bflag, None
         if t.device_grad_sums:
             sums, t.device_grad_sums = t.device_grad_sums, []
@@ -390,7 +479,8 @@ class TieredChecks:
             t.judged_grads.clear()
             return None
         bad = []
-        for p in leaves:
+        for p in {id(p): p for call in calls
+                  for p in _tiers.grad_inputs(call.module, call.args)}.values():
             if p.grad is not None and _floating(p.grad):
                 c = _counts(p.grad)
                 if sum(c):
@@ -437,7 +527,8 @@ class TieredChecks:
                               "from code outside the model's modules, e.g. a loss term that "
                               "uses the parameter directly, or the call is not repeatable)")
 
-    def _report_unpinned(self, stage, counts, record=None, param=None, reason=""):
+    def _report_unpinned(self, stage, counts, record=None, param=None, reason="",
+                         what=None):
         """A sentinel saw a NaN/Inf that the replay could not narrow to one op: still a
         stop, at module (forward) or parameter (backward) level, saying why."""
         nan, posinf, neginf = counts
@@ -454,7 +545,7 @@ class TieredChecks:
             what = f"the gradient of {name or 'a parameter'}"
         else:
             module, module_type = self._names.path(record)
-            what = f"the output of {module or module_type or 'a module'}"
+            what = what or f"the output of {module or module_type or 'a module'}"
         patterns = tuple(_ALLOWED) + self.allow
         if patterns and module and matches(patterns, (module,)):
             return
@@ -475,18 +566,24 @@ class _GradSentinel:
     with one sum during the real backward (where the exact mode is off); the first bad
     one flags the backward."""
 
-    __slots__ = ("w", "record", "index")
+    __slots__ = ("w", "record", "index", "call", "pos")
 
     def __init__(self, watch, record, index):
         self.w = watch
         self.record = record
         self.index = index
+        self.call = None    # armed by a backward that skips the dry run: (RootCall,
+        self.pos = None     # position) whose gradient this is, kept for a replay
 
     def __call__(self, grad_outputs):
         t = self.w._t
-        if not t.in_backward or t.bflag is not None or self.index >= len(grad_outputs):
+        if not t.in_backward or self.index >= len(grad_outputs):
             return None
         grad = grad_outputs[self.index]
+        if self.call is not None and isinstance(grad, Tensor):
+            self._keep(t, grad)
+        if t.bflag is not None:
+            return None
         if isinstance(grad, Tensor) \
                 and _SUM_DTYPE.get(grad.dtype, 0) != 0 and _checkable(grad):
             if not grad.is_cpu:   # no sync here: read with the parameters' gradients
@@ -499,3 +596,29 @@ class _GradSentinel:
                 if sum(counts):
                     t.bflag = (self.record, counts)
         return None
+
+    def _keep(self, t, grad):
+        """A model output's gradient, straight from the unchecked loss region."""
+        self.call.grads[self.pos] = grad
+        if _SUM_DTYPE.get(grad.dtype, 0) == 0 or not _checkable(grad):
+            return
+        if not grad.is_cpu:
+            t.device_loss_sums.append((grad.detach().sum(dtype=_F32), self.call, self.pos))
+        elif t.loss_bflag is None:
+            sum_dtype = _SUM_DTYPE[grad.dtype]
+            s = grad.sum() if sum_dtype is None else grad.sum(dtype=sum_dtype)
+            if not _isfinite(s.item()):
+                counts = _counts(grad)
+                if sum(counts):
+                    t.loss_bflag = (self.call, self.pos, counts)
+
+
+def boundary_of(targets) -> dict:
+    """id(node) -> node of the autograd nodes of the model outputs that backward meets
+    (a tensor's grad_fn, or the node of a kept gradient edge)."""
+    nodes = {}
+    for _, _, o in targets:
+        node = o.grad_fn if isinstance(o, Tensor) else getattr(o, "node", None)
+        if node is not None:
+            nodes[id(node)] = node
+    return nodes
