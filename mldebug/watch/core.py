@@ -58,8 +58,9 @@ _Sequential = torch.nn.Sequential
 
 
 def _plan(module):
-    """Module records inside calls hold (module, parent record, RNG, plan): the plan of
-    an exact nn.Sequential says which children's outputs need no sentinel (tiers.py)."""
+    """Module records inside calls hold (module, parent record, RNG, plan, code): the
+    plan of an exact nn.Sequential says which children's outputs need no sentinel, the
+    code is that of this call's module in its parent's plan (tiers.sequential_plan)."""
     return _tiers.sequential_plan(module) if type(module) is _Sequential else None
 
 
@@ -364,11 +365,16 @@ class Watch(TieredChecks):
                 t.last_out = None
                 t.popped = _tiers.pop_if_top(self._mode)
                 if t.popped:
-                    self._top = (module, None, t.start_rng, _plan(module))
+                    self._top = (module, None, t.start_rng, _plan(module), 0)
                     return None
         elif t.popped and not t.replaying:
+            plan = top[3] if len(top) > 3 else None
+            code = plan.get(id(module), 0) if plan else 0
             # the RNG as this call starts: a replay of just this call draws the same
-            self._top = (module, top, _tiers.rng_state(t.cuda_rng), _plan(module))
+            # (one whose output its Sequential leaves to the next child is never replayed
+            # alone: its flag is the next child's, which defers to the Sequential)
+            rng = None if code & _tiers.NO_FORWARD_CHECK else _tiers.rng_state(t.cuda_rng)
+            self._top = (module, top, rng, _plan(module), code)
             return None
         self._top = (module, top)
         return None

@@ -113,9 +113,7 @@ class TieredChecks:
         t = self._t
         outs = (output,) if isinstance(output, Tensor) else flat_tensors(output)
         sentinels = []              # by position in outs (an outermost call's are kept)
-        parent = record[1]
-        plan = parent[3] if parent is not None and len(parent) > 3 else None
-        code = plan.get(id(record[0]), 0) if plan else 0
+        code = record[4] if len(record) > 4 else 0
         for out in outs:
             if out is t.last_out:   # a parent returning its child's output
                 sentinels.append(t.last_sentinels[-1] if t.last_sentinels else None)
@@ -180,11 +178,12 @@ class TieredChecks:
             return
         kwargs = _tiers.call_kwargs(_caller(1))
         parent = record[1]
-        if parent is not None and _tiers.any_nonfinite((args, kwargs)):
+        no_rng = len(record) > 2 and record[2] is None      # (see Watch._module_pre)
+        if parent is not None and (no_rng or _tiers.any_nonfinite((args, kwargs))):
             t.flag = (parent, counts)
             return
         t.flag = None
-        rng = record[2] if len(record) > 2 else t.start_rng
+        rng = record[2] if len(record) > 2 and record[2] is not None else t.start_rng
         _tiers.push(self._mode)       # the replay runs under the exact mode
         try:
             self._replay_forward(module, args, kwargs, rng, output, record, counts, key)

@@ -22,8 +22,17 @@ on for the whole step and stay under the speed targets. Instead:
   non-finite gradient replays the model call and its backward (`torch.autograd.grad` from
   the stored output gradient, nothing accumulated into `.grad`) under the exact mode, which
   stops at the backward op that made it, reported against its forward line.
-- Everything outside modules and outside backward (data handling, the loss, the optimizer
-  step) keeps the exact per-op check.
+- Inside an exact nn.Sequential of torch.nn layers no user code runs: a child's output
+  sentinel is left out when the next child is a layer that passes any NaN/Inf on (its
+  own sentinel then flags, and the flag defers to the Sequential), its gradient sentinel
+  when the next child's backward cannot make one, and the parameter gradients of such a
+  Sequential are not summed (they follow from its output's checked gradient). What only
+  an overflow in those layers' backward makes is then seen at the optimizer step
+  (`sequential_plan`, `_params_to_check`).
+- The optimizer step runs without the mode: every parameter and state tensor gets one
+  sum afterwards.
+- Everything else outside modules and outside backward (data handling, the loss) keeps
+  the exact per-op check.
 
 What the replay cannot do (said in the report when it happens): reproduce a call whose
 result depends on state it changes itself (other than buffers), or on an input it
