@@ -264,7 +264,7 @@ def test_graph_command_marks_the_assertion_and_the_failing_node(write_program):
 def test_graph_command_at_a_nan_stop_marks_the_module_in_progress(write_program, mode):
     """With `--watch exact` the stop is inside Bad's log: the pass is in progress and Bad
     is still running. With the tiers (default) Bad's output is left to the Linear after
-    it to show (tiers.sequential_plan); that flag defers to the Sequential, whose re-run
+    it to show (safe.sequential_plan); that flag defers to the Sequential, whose re-run
     once it returned makes the stop: the graph is complete and holds Bad's output (all
     NaN)."""
     prog = write_program("""

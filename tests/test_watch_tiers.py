@@ -426,9 +426,9 @@ def test_an_output_whose_check_a_sequential_leaves_to_the_next_child_is_still_pi
     with w:
         model(-torch.ones(2, 4))
     assert [(v.op, v.module) for v in got] == [("aten.mul.Tensor", "1")]
-    from mldebug.watch import tiers
-    plan = tiers.sequential_plan(model)
-    assert plan[id(model[1])] == tiers.NO_GRAD_CHECK           # next is a ReLU now
+    from mldebug.watch import safe
+    plan = safe.sequential_plan(model)
+    assert plan[id(model[1])] == safe.NO_GRAD_CHECK           # next is a ReLU now
     assert plan[id(model[0])] == 0                             # next is custom code
 
 

@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .. import autograd_patch as _autograd_patch
 from .. import frames as _frames
 from ..errors import NonFiniteError, UsageError
+from . import safe as _safe
 from . import tiers as _tiers
 from .checks import (_ALLOWED, _F32, _LOW, _SUM_DTYPE, _caller, _checkable, _counts,
                      _floating, _getframe, _grad_enabled, _isfinite, _summary)
@@ -60,8 +61,8 @@ _Sequential = torch.nn.Sequential
 def _plan(module):
     """Module records inside calls hold (module, parent record, RNG, plan, code): the
     plan of an exact nn.Sequential says which children's outputs need no sentinel, the
-    code is that of this call's module in its parent's plan (tiers.sequential_plan)."""
-    return _tiers.sequential_plan(module) if type(module) is _Sequential else None
+    code is that of this call's module in its parent's plan (safe.sequential_plan)."""
+    return _safe.sequential_plan(module) if type(module) is _Sequential else None
 
 
 def _after_fork_in_child():
@@ -373,7 +374,7 @@ class Watch(TieredChecks):
             # the RNG as this call starts: a replay of just this call draws the same
             # (one whose output its Sequential leaves to the next child is never replayed
             # alone: its flag is the next child's, which defers to the Sequential)
-            rng = None if code & _tiers.NO_FORWARD_CHECK else _tiers.rng_state(t.cuda_rng)
+            rng = None if code & _safe.NO_FORWARD_CHECK else _tiers.rng_state(t.cuda_rng)
             self._top = (module, top, rng, _plan(module), code)
             return None
         self._top = (module, top)

@@ -13,6 +13,7 @@ from torch import Tensor
 from .. import frames as _frames
 from .. import replay as _replay
 from ..errors import NonFiniteError
+from . import safe as _safe
 from . import tiers as _tiers
 from .checks import (_ALLOWED, _F32, _SUM_DTYPE, _caller, _checkable, _counts, _floating,
                      _grad_enabled, _isfinite, _summary)
@@ -60,7 +61,7 @@ class TieredChecks:
             if known is not None:
                 return None                 # it flows on from a gradient already judged
             # a gradient no check judged: made by the backward of layers whose gradients
-            # are not checked one by one (tiers._params_to_check: only an overflow makes
+            # are not checked one by one (safe.params_to_check: only an overflow makes
             # one there), or written outside the watch
             unjudged = True
             gkind = "nan" if grad_counts[0] else "inf"
@@ -123,14 +124,14 @@ class TieredChecks:
             if sum_dtype == 0 or not _checkable(out):
                 continue
             d = out.detach()        # no autograd node for our own sum
-            if out.requires_grad and not code & _tiers.NO_GRAD_CHECK and _grad_enabled():
+            if out.requires_grad and not code & _safe.NO_GRAD_CHECK and _grad_enabled():
                 # the gradient of this output, checked when the real backward runs: a
                 # pre-hook on its autograd node (cheaper to register than a tensor hook)
                 node = out.grad_fn
                 if node is not None:
                     sentinels[-1] = _GradSentinel(self, record, out.output_nr)
                     node.register_prehook(sentinels[-1])
-            if code & _tiers.NO_FORWARD_CHECK:
+            if code & _safe.NO_FORWARD_CHECK:
                 continue            # the next child in its Sequential shows it
             if d.is_cpu:
                 s = d.sum() if sum_dtype is None else d.sum(dtype=sum_dtype)
@@ -417,7 +418,7 @@ class TieredChecks:
     def _arm_output_sentinels(self, roots, targets) -> list:
         """When the loss region (the autograd graph from the loss down to the model's
         outputs) is made only of nodes whose backward cannot make a NaN/Inf from finite
-        values (tiers.SAFE_BACKWARD), the dry run is skipped: the pre-hooks on the model
+        values (safe.SAFE_BACKWARD), the dry run is skipped: the pre-hooks on the model
         outputs' nodes then keep each output's gradient for a replay and check it.
         [] when the dry run is needed: also while a non-finite value judged before is
         alive (the loss region may then be non-finite already: its backward is judged
@@ -430,7 +431,7 @@ class TieredChecks:
             if sentinel is None:
                 return []          # an output without a pre-hook: no gradient to keep
             armed.append((sentinel, call, pos))
-        if not _tiers.loss_region_safe(roots, boundary_of(targets)):
+        if not _safe.loss_region_safe(roots, boundary_of(targets)):
             return []
         for sentinel, call, pos in armed:
             sentinel.call, sentinel.pos = call, pos
@@ -450,7 +451,7 @@ class TieredChecks:
         (an overflow): a stop at `loss.backward()` that names the region's nodes."""
         call, pos, counts = self._t.loss_bflag
         n0 = len(self.violations)
-        nodes = _tiers.loss_region_nodes(roots, boundary_of(targets))
+        nodes = _safe.loss_region_nodes(roots, boundary_of(targets))
         module, module_type = self._names.path((call.module, None))
         self._report_unpinned(
             "backward", counts, record=(call.module, None),
@@ -464,7 +465,7 @@ class TieredChecks:
         """After the real backward (exact mode still off): None when every gradient is
         finite, else (bad [(param, counts)], new of those, first bad output gradient).
         CHECKED_ONLY: leave out the gradients that follow from checked ones
-        (tiers._params_to_check)."""
+        (safe.params_to_check)."""
         t = self._t
         leaves = []
         for call in calls:

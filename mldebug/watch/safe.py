@@ -1,0 +1,158 @@
+"""What the tiers may leave unchecked, and why (tiers.py has the design).
+
+- The loss region's backward: a dry run is not needed when its autograd nodes cannot make
+  a NaN/Inf from finite values (`SAFE_BACKWARD`, `loss_region_safe`).
+- Inside an exact nn.Sequential of torch.nn layers, where no user code runs: sentinels
+  whose job the next child does (`sequential_plan`), and parameter gradients that follow
+  from checked ones (`params_to_check`).
+
+In each case only a float overflow could make a NaN/Inf where nothing looks; the tiers
+still see it later (the model output's gradient, the optimizer step's check), and say so.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch.nn as nn
+
+# Backward nodes that make finite gradients from finite gradients and finite saved
+# values (short of a float overflow): a loss region made only of these needs no dry run.
+# Not here, on purpose: Log, Sqrt, Rsqrt, Pow below 1, Reciprocal, Exp, Atan2, Norm, BCE (its
+# derivative divides by x(1-x)), and a division by a tensor that needs a gradient.
+SAFE_BACKWARD = frozenset("""
+    NllLossBackward0 NllLoss2DBackward0 LogSoftmaxBackward0 SoftmaxBackward0
+    MseLossBackward0 L1LossBackward0 SmoothL1LossBackward0 HuberLossBackward0
+    BinaryCrossEntropyWithLogitsBackward0 SoftMarginLossBackward0
+    MeanBackward0 MeanBackward1 SumBackward0 SumBackward1 AddBackward0 AddBackward1
+    SubBackward0 SubBackward1 RsubBackward0 RsubBackward1 NegBackward0 MulBackward0
+    MulBackward1 DivBackward1 ViewBackward0 UnsafeViewBackward0 ReshapeAliasBackward0
+    TBackward0 TransposeBackward0 TransposeBackward1 PermuteBackward0 SelectBackward0
+    SliceBackward0 SqueezeBackward0 SqueezeBackward1 SqueezeBackward2 SqueezeBackward3
+    SqueezeBackward4 UnsqueezeBackward0 ExpandBackward0 CloneBackward0 ToCopyBackward0
+    IndexBackward0 GatherBackward0 CatBackward0 StackBackward0 SplitBackward0
+    SplitWithSizesBackward0 UnbindBackward0 WhereBackward0 MaskedFillBackward0
+    AbsBackward0 ClampBackward1 ClampMinBackward0 ClampMaxBackward0 ReluBackward0
+    ThresholdBackward0 SigmoidBackward0 TanhBackward0 LogSigmoidBackward0
+    SoftplusBackward0 MaxBackward0 MaxBackward1 MinBackward0 MinBackward1 AmaxBackward0
+    AminBackward0 FlattenBackward0 DetachBackward0 AliasBackward0
+    torch::autograd::AccumulateGrad
+""".split())
+MAX_LOSS_NODES = 64    # a bigger region outside the model gets the dry run
+
+
+def loss_region_nodes(roots, boundary, limit=MAX_LOSS_NODES) -> list:
+    """Names of the autograd nodes from ROOTS down to the BOUNDARY ids (at most LIMIT)."""
+    stack = [r.grad_fn for r in roots]
+    seen, names = set(), []
+    while stack and len(names) < limit:
+        node = stack.pop()
+        if node is None or id(node) in boundary or id(node) in seen:
+            continue
+        seen.add(id(node))
+        names.append(node.name())
+        stack.extend(fn for fn, _ in node.next_functions)
+    return names
+
+
+def loss_region_safe(roots, boundary) -> bool:
+    """Whether the autograd graph from ROOTS down to the BOUNDARY nodes (the model
+    outputs' nodes, by id) is made only of SAFE_BACKWARD nodes (a few: a bounded walk)."""
+    stack = [r.grad_fn for r in roots]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in boundary or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if len(seen) > MAX_LOSS_NODES:
+            return False
+        name = node.name()
+        edges = node.next_functions
+        if name == "DivBackward0":
+            # x / y: safe when only x needs a gradient (a y near 0 would blow up dy)
+            if len(edges) > 1 and edges[1][0] is not None:
+                return False
+        elif name == "PowBackward0":
+            # x ** k: k * x ** (k - 1) is finite for k >= 1 (k = 0.5 is a sqrt)
+            exponent = getattr(node, "_saved_exponent", None)
+            if not isinstance(exponent, (int, float)) or not exponent >= 1:
+                return False
+        elif name not in SAFE_BACKWARD:
+            return False
+        stack.extend(fn for fn, _ in edges)
+    return True
+
+
+# Inside an exact nn.Sequential, a child's output goes only to the next child. When that
+# child is one of these torch.nn layers (exact type: a subclass may override forward),
+# the sentinels on the output before it can be left out:
+# - PROPAGATES: a NaN/Inf anywhere in its input leaves a NaN/Inf in its output (checked
+#   there; the flag then defers to the Sequential, whose exact re-run pins the op). ReLU
+#   and Tanh are not here: they turn -Inf or +-Inf into finite values.
+# - BACKWARD_SAFE: its backward makes a finite input gradient from a finite output
+#   gradient and finite saved values (short of an overflow), so the input's gradient
+#   needs no check of its own: the output's is checked, or the next one's, and so on.
+_PROPAGATES = {nn.Linear, nn.Bilinear, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d,
+               nn.LayerNorm, nn.GroupNorm, nn.Dropout, nn.Dropout1d, nn.Dropout2d,
+               nn.Dropout3d, nn.Identity, nn.Flatten, nn.Unflatten, nn.LeakyReLU}
+_CONVS = {nn.Conv1d, nn.Conv2d, nn.Conv3d}      # these propagate at stride 1 only
+_BACKWARD_SAFE = _PROPAGATES | _CONVS | {
+    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Softmax, nn.LogSoftmax,
+    nn.Hardtanh, nn.ELU, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d,
+    nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
+    nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d}
+NO_FORWARD_CHECK = 1    # the next child shows any NaN/Inf of this output
+NO_GRAD_CHECK = 2       # the next child's backward cannot make one in its gradient
+_HOOKS = ("_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _consumer_code(child) -> int:
+    """What the output before CHILD in a Sequential can leave out (flags above)."""
+    kind = type(child)
+    if kind not in _BACKWARD_SAFE or any(getattr(child, h, None) for h in _HOOKS):
+        return 0            # (a user hook may change what it gets or gives back)
+    code = NO_GRAD_CHECK
+    if kind in _PROPAGATES or (kind in _CONVS and all(s == 1 for s in child.stride)):
+        code |= NO_FORWARD_CHECK
+    return code
+
+
+_SEQUENTIAL_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def sequential_plan(seq) -> dict:
+    """id(child) -> flags for the output of each child of nn.Sequential SEQ (by what the
+    next child is; 0 for the last one and for a child that appears twice). Cached per
+    Sequential, rebuilt when its children change."""
+    children = tuple(seq._modules.values())
+    cached = _SEQUENTIAL_PLANS.get(seq)
+    if cached is not None and cached[0] == children:
+        return cached[1]
+    plan = {}
+    for i, child in enumerate(children):
+        nxt = children[i + 1] if i + 1 < len(children) else None
+        code = _consumer_code(nxt) if nxt is not None else 0
+        plan[id(child)] = 0 if id(child) in plan else code
+    _SEQUENTIAL_PLANS[seq] = (children, plan)
+    return plan
+
+
+def params_to_check(module):
+    """The parameters whose gradients need a check after backward. Left out: those of a
+    torch.nn layer in BACKWARD_SAFE reached from an exact nn.Sequential through exact
+    nn.Sequentials only: no code of the user's runs in that tree, the layers' backward
+    makes finite gradients from finite ones, and the gradient of each output there is
+    checked (the last child's) or flows through such layers to one that is. Used only
+    when the loss region has no dry run: its nodes, also those on paths into a
+    parameter (an L2 term), are then all in SAFE_BACKWARD."""
+    if type(module) is not nn.Sequential or any(getattr(module, h, None) for h in _HOOKS):
+        yield from module.parameters()
+        return
+    yield from module._parameters.values()
+    for child in module._modules.values():
+        if child is None:
+            continue
+        if (type(child) in _BACKWARD_SAFE and not child._modules
+                and not any(getattr(child, h, None) for h in _HOOKS)):
+            continue
+        yield from params_to_check(child)
