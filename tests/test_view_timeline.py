@@ -234,3 +234,37 @@ def test_a_pause_and_the_refresh_button_re_read_the_store(page, runs, tmp_path):
     assert "live in live: 2 steps" in model(page, "mld-tl-run", "options")
     assert model(page, "mld-tl-run", "selected") == live
     os.remove(runs / "later.sqlite")
+
+
+GLYPH_JS = """name => { const r = Bokeh.documents[0].get_model_by_name(name);
+    return r ? r.glyph.color_mapper.type : null; }"""
+VISIBLE_JS = """name => Bokeh.documents[0].get_model_by_name(name).visible"""
+
+
+@needs_chromium
+def test_log_scale_switches_the_histogram_colours_and_the_kpi_axis(page, runs):
+    """With the log scale on, the image is coloured by the log of the share and the KPI is drawn on a log
+    axis (its own figure, the linear one hidden); off again puts both back."""
+    wait_model(page, "mld-tl-run", "options", lambda v: len(v) >= 2)   # (+ earlier tests')
+    wait_model(page, "mld-tl-kpi-a", "step", lambda v: len(v) > 0)
+    assert page.evaluate(GLYPH_JS, "mld-tl-image-a") == "LinearColorMapper"
+    assert page.evaluate(VISIBLE_JS, "mld-tl-kpi-log") is False
+    page.get_by_text("log scale (histogram colours, KPI)").click()
+    deadline = time.monotonic() + 20
+    while page.evaluate(GLYPH_JS, "mld-tl-image-a") != "LogColorMapper":
+        assert time.monotonic() < deadline, "the log colour mapper never came"
+        page.wait_for_timeout(100)
+    assert page.evaluate(VISIBLE_JS, "mld-tl-kpi-log") is True
+    canvas = page.locator(".mld-tl-kpi-log canvas").first
+    deadline = time.monotonic() + 10
+    while canvas.evaluate(COLOURED_JS) < 50:                   # the KPI line is drawn
+        assert time.monotonic() < deadline, canvas.evaluate(COLOURED_JS)
+        page.wait_for_timeout(200)
+    hist = page.locator(".mld-tl-hist-a canvas").first
+    assert hist.evaluate(COLOURED_JS) > 2000                   # still an image
+    page.get_by_text("log scale (histogram colours, KPI)").click()
+    deadline = time.monotonic() + 20
+    while page.evaluate(GLYPH_JS, "mld-tl-image-a") != "LinearColorMapper":
+        assert time.monotonic() < deadline
+        page.wait_for_timeout(100)
+    assert page.evaluate(VISIBLE_JS, "mld-tl-kpi-log") is False

@@ -4,7 +4,9 @@ For a chosen run and series (module:kind): the series' histograms over steps as 
 image (TorchExplorer style: x = step, y = value, colour = share of the step's samples in
 that value bin), its stat lines (mean and std, abs-max on a log axis, NaN/Inf counts),
 and a KPI curve (`mldebug.log_scalar`). "Compare with" draws a second run beside it: its
-own histogram image, and its lines over the first run's in another colour.
+own histogram image, and its lines over the first run's in another colour. "Log scale"
+colours the histograms by the log of the share (rare values, e.g. the first outliers
+before an overflow, stay visible next to the bulk) and draws the KPI on a log axis.
 
 Which runs: those in the running recording's run_dir and in the directories given to
 `mldebug.view(runs=...)` (`data.run_dirs()`). The store is read on the view's worker
@@ -17,8 +19,9 @@ from __future__ import annotations
 import html
 
 from bokeh.layouts import column, row
-from bokeh.models import (Button, ColumnDataSource, HoverTool, LinearColorMapper, Range1d,
-                          Select)
+import numpy as np
+from bokeh.models import (Button, CheckboxGroup, ColumnDataSource, HoverTool,
+                          LinearColorMapper, LogColorMapper, Range1d, Select)
 from bokeh.palettes import Viridis256
 from bokeh.plotting import figure
 
@@ -59,14 +62,19 @@ class TimelinePanel:
         self.kpi = Select(title="KPI (mldebug.log_scalar)", options=[], value="", width=270,
                           name="mld-tl-kpi", css_classes=["mld-tl-kpi"])
         self.refresh_btn = Button(label="Refresh", width=110, css_classes=["mld-tl-refresh"])
+        self.log = CheckboxGroup(labels=["log scale (histogram colours, KPI)"], active=[],
+                                 name="mld-tl-log", css_classes=["mld-tl-log"])
         self.note = Div(text=NO_RUNS_NOTE, width=270, css_classes=["mld-tl-note"])
 
-        self.hist_src, self.hist_fig, self.mappers = [], [], []
+        self.hist_src, self.hist_fig, self.mappers, self.log_mappers = [], [], [], []
+        self.hist_glyphs = []
         for i, ab in enumerate("ab"):
             src = ColumnDataSource(data=dict(image=[], x=[], y=[], dw=[], dh=[]),
                                    name=f"mld-tl-hist-{ab}")
             mapper = LinearColorMapper(palette=Viridis256, low=0, high=1,
                                        nan_color=(0, 0, 0, 0))
+            self.log_mappers.append(LogColorMapper(palette=Viridis256, low=1e-4, high=1,
+                                                   nan_color=(0, 0, 0, 0)))
             fig = figure(width=470, height=300, tools="pan,wheel_zoom,box_zoom,reset",
                          x_range=Range1d(0, 1), y_range=Range1d(0, 1),
                          toolbar_location="above", x_axis_label="step", y_axis_label="value",
@@ -74,7 +82,8 @@ class TimelinePanel:
                          visible=i == 0)
             fig.grid.visible = False
             r = fig.image(image="image", x="x", y="y", dw="dw", dh="dh", source=src,
-                          color_mapper=mapper)
+                          color_mapper=mapper, name=f"mld-tl-image-{ab}")
+            self.hist_glyphs.append(r.glyph)
             fig.add_tools(HoverTool(renderers=[r], tooltips=[
                 ("step", "$x{0}"), ("value", "$y{%.4g}"), ("share", "@image{0.000}")],
                 formatters={"$y": "printf"}))
@@ -95,9 +104,17 @@ class TimelinePanel:
                                  **small)
         self.nonfinite_fig = figure(title="NaN + Inf count", x_range=self.mean_fig.x_range,
                                     css_classes=["mld-tl-nonfinite"], **small)
+        # the KPI on a linear and on a log axis: two figures, one shown (a Bokeh figure's
+        # axis type is fixed once it is drawn)
         self.kpi_fig = figure(width=955, height=220, title="KPI", x_axis_label="step",
                               tools="pan,wheel_zoom,box_zoom,reset", toolbar_location="above",
                               css_classes=["mld-tl-kpi-fig"])
+        self.kpi_log_fig = figure(width=955, height=220, title="KPI (log axis)",
+                                  x_axis_label="step", y_axis_type="log",
+                                  x_range=self.kpi_fig.x_range, visible=False,
+                                  tools="pan,wheel_zoom,box_zoom,reset",
+                                  toolbar_location="above", name="mld-tl-kpi-log",
+                                  css_classes=["mld-tl-kpi-log"])
         for i, color in enumerate(COLORS):
             s = self.stats_src[i]
             self.mean_fig.line("step", "mean", source=s, color=color, line_width=2)
@@ -107,25 +124,28 @@ class TimelinePanel:
             for fig, col in ((self.mean_fig, "mean"), (self.absmax_fig, "abs_max"),
                              (self.nonfinite_fig, "nonfinite")):
                 fig.scatter("step", col, source=s, color=color, size=4)
-            self.kpi_fig.line("step", "value", source=self.kpi_src[i], color=color, line_width=2)
+            for fig in (self.kpi_fig, self.kpi_log_fig):
+                fig.line("step", "value", source=self.kpi_src[i], color=color, line_width=2)
         for fig, col in ((self.mean_fig, "mean"), (self.absmax_fig, "abs_max"),
                          (self.nonfinite_fig, "nonfinite")):
             fig.add_tools(HoverTool(tooltips=[("step", "@step"), (col, f"@{col}{{%.4g}}")],
                                     formatters={f"@{col}": "printf"}))
-        self.kpi_fig.add_tools(HoverTool(tooltips=[("step", "@step"), ("value", "@value{%.5g}")],
-                                         formatters={"@value": "printf"}, mode="vline"))
+        for fig in (self.kpi_fig, self.kpi_log_fig):
+            fig.add_tools(HoverTool(tooltips=[("step", "@step"), ("value", "@value{%.5g}")],
+                                    formatters={"@value": "printf"}, mode="vline"))
 
         # -- callbacks ---------------------------------------------------------------
         for widget in (self.run_a, self.run_b, self.series, self.kpi):
             widget.on_change("value", self._on_choice)
         self.refresh_btn.on_click(self._on_refresh)
+        self.log.on_change("active", self._on_log)
 
         # -- layout ------------------------------------------------------------------
-        controls = column(self.run_a, self.run_b, self.series, self.kpi, self.refresh_btn,
-                          self.note)
+        controls = column(self.run_a, self.run_b, self.series, self.kpi, self.log,
+                          self.refresh_btn, self.note)
         self.layout = row(controls, column(row(*self.hist_fig),
                                            row(self.mean_fig, self.absmax_fig, self.nonfinite_fig),
-                                           self.kpi_fig))
+                                           self.kpi_fig, self.kpi_log_fig))
 
     # -- the page -> the panel ---------------------------------------------------------
     def show(self, shown: bool) -> None:
@@ -147,6 +167,14 @@ class TimelinePanel:
 
     def _on_refresh(self):
         self.load()
+
+    def _on_log(self, attr, old, new):
+        """Switch the histogram colours and the KPI axis (no new read: same data)."""
+        on = bool(new)
+        for glyph, linear, log in zip(self.hist_glyphs, self.mappers, self.log_mappers):
+            glyph.color_mapper = log if on else linear
+        self.kpi_fig.visible = not on
+        self.kpi_log_fig.visible = on
 
     # -- reading the store (worker thread) ------------------------------------------------
     def load(self) -> None:
@@ -208,6 +236,8 @@ class TimelinePanel:
         self.hist_fig[1].visible = len(sides) > 1
         self.kpi_fig.title.text = f"KPI: {view['kpi']}" if view and view["kpi"] else \
             "KPI (none logged: mldebug.log_scalar)"
+        self.kpi_log_fig.title.text = self.kpi_fig.title.text + " (log axis: values <= 0 " \
+            "are not drawn)"
         notes = list(found["notes"])
         if not runs:
             text = NO_RUNS_NOTE
@@ -231,7 +261,11 @@ class TimelinePanel:
             return
         image = side["image"]
         if image is not None:
-            self.mappers[i].update(low=0, high=max(image["high"], 1e-9))
+            high = max(image["high"], 1e-9)
+            self.mappers[i].update(low=0, high=high)
+            shares = image["image"]
+            low = float(np.nanmin(shares)) if np.isfinite(shares).any() else high / 1e4
+            self.log_mappers[i].update(low=min(max(low, 1e-9), high / 2), high=high)
             fig.x_range.update(start=image["x"], end=image["x"] + image["dw"])
             fig.y_range.update(start=image["y"], end=image["y"] + image["dh"])
             src.data = dict(image=[image["image"]], x=[image["x"]], y=[image["y"]],
