@@ -322,3 +322,17 @@ def test_python_function_target_is_wrapped_and_restored(monkeypatch):
         mod.double(torch.full((2,), 4.0))
     assert mod.double is original
     assert [v.assertion for v in stops] == ["small_output"]
+
+
+def test_dead_relu_does_not_call_nan_units_dead():
+    """After a NaN stop and `c`, NaN weights make NaN ReLU outputs: broken, not dead (the
+    watch reports NaN); units that are really never positive still count."""
+    a = _registry.get("dead_relu")
+    relu = nn.ReLU()
+    nan_out = torch.full((32, 16), float("nan"))
+    assert a.check(relu, nan_out, (), None)
+    half_dead = torch.randn(32, 16).abs()
+    half_dead[:, :10] = 0.0
+    half_dead[:, 10:] = float("nan")       # 10 of the 16 units are dead, 6 are NaN
+    assert not a.check(relu, half_dead, (), None)
+    assert "62% of 16 units dead" in a.detail

@@ -235,8 +235,11 @@ class DeadReLU(ModuleAssertion):
             return True
         with torch.no_grad():
             others = tuple(d for d in range(out.dim()) if d != fdim)
-            alive = out.detach().amax(dim=others) > 0
-            dead = 1.0 - float(alive.float().mean())
+            peak = out.detach().amax(dim=others)
+            # `<= 0`, not `not > 0`: a unit whose max is NaN is broken, not dead; NaN is
+            # the watch's to report (after a NaN stop and `c`, NaN weights must not read
+            # as dead ReLUs)
+            dead = float((peak <= 0).float().mean())
         if dead >= self.threshold:
             self.detail = f"{dead:.0%} of {units} units dead"
             return False
