@@ -1,21 +1,24 @@
-"""Tensor statistics for the recorder: computed on the tensor's device, batched per step.
-
-A recorded tensor costs a handful of reductions when it is seen (the values may change
-in place later): `sum`, `abs().sum()`, Σx², `aminmax`, and a gather of a fixed random
-sample for its histogram. The results stay 0-d tensors on the device. At the end of the
-step `StepBatch.finish()` stacks them all (one op), brings stats, samples and per-sample
-norms to the host with ONE transfer, and bins every histogram there at once (numpy).
-
-CPU: reading a scalar costs nothing, so the non-finite counts (and stats of the finite
-values) are computed only for the tensors whose sum is not finite. Other devices never
-read back before the step ends: the counts are always computed there and the stats come
-from `nan_to_num(x, 0, 0, 0)` (exact over the finite values; min/max then include the
-zeros put in place of NaN/Inf).
+"""Tensor statistics for the recorder, batched per step.
 
 Rows (columns of `ROW`): number of finite values, sum, abs_sum, sum of squares, min, max,
-nan, +inf, -inf, all over the FINITE values. Accumulation is in float32 for float32 and narrower types
-(float64 for float64): a tensor whose squares overflow float32 (|x| > ~1e19) has an
-infinite std while its abs-max stays exact.
+nan, +inf, -inf, all over the FINITE values. Accumulation is in float32 for float32 and
+narrower types (float64 for float64): a tensor whose squares overflow float32
+(|x| > ~1e19) has an infinite std while its abs-max stays exact. Each recorded tensor also
+gives a fixed random sample for its histogram (and per-sample L2 norms for gradients).
+
+CPU tensors up to BATCH values: copied when seen (one op), reduced all together when the
+step is staged (`cpubatch.py`: for them per-op overhead, not arithmetic, is the cost).
+Larger CPU tensors: reduced when seen (the values may change in place later) with few
+passes; a copy would be one more pass over memory, for little overhead saved. Reading a
+CPU scalar costs nothing, so the non-finite counts (and stats of the finite values) are
+computed only for tensors whose sum is not finite.
+
+Other devices: reduced when seen, the results stay 0-d tensors on the device and never
+read back before the step ends: the counts are always computed and the stats come from
+`nan_to_num(x, 0, 0, 0)` (exact over the finite values; min/max then include the zeros
+put in place of NaN/Inf). `StepBatch.stage()` stacks them (one op per device), and
+`finish_staged()` brings stats, samples and norms to the host with ONE transfer and bins
+every histogram there at once (numpy).
 """
 from __future__ import annotations
 
@@ -25,28 +28,12 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .cpubatch import BlockPool, CpuBatch, per_sample_norms, sample_index
+
 ROW = ("numel", "sum", "abs_sum", "sumsq", "min", "max", "nan", "posinf", "neginf")
 _NROW = len(ROW)
 _ACC = {torch.float64: torch.float64}
-SMALL = 1 << 12                # CPU tensors up to this many elements: reduced in one batch
-BIG = 1 << 18                  # CPU tensors above this: fewer passes over memory
-_IDX_CACHE: dict = {}          # (numel, sample, device) -> sorted random indices
-_IDX_CACHE_MAX = 512
-_GEN: dict = {}                # device -> private torch.Generator (never the global RNG)
-
-
-def _sample_index(n: int, size: int, device) -> torch.Tensor:
-    key = (n, size, device)
-    idx = _IDX_CACHE.get(key)
-    if idx is None:
-        gen = _GEN.get("cpu")
-        if gen is None:
-            gen = _GEN["cpu"] = torch.Generator().manual_seed(0x5EED)
-        idx = torch.randint(n, (size,), generator=gen).sort().values.to(device)
-        if len(_IDX_CACHE) >= _IDX_CACHE_MAX:
-            _IDX_CACHE.clear()
-        _IDX_CACHE[key] = idx
-    return idx
+BATCH = 1 << 15                # CPU tensors up to this many elements: copied, reduced later
 
 
 def flat_of(t: torch.Tensor) -> torch.Tensor:
@@ -60,19 +47,7 @@ def sample_of(flat: torch.Tensor, size: int) -> torch.Tensor:
     n = flat.numel()
     if n <= size:
         return flat.clone()
-    return flat.index_select(0, _sample_index(n, size, flat.device))
-
-
-def per_sample_norms(t: torch.Tensor, batch_dim: int = 0) -> Optional[torch.Tensor]:
-    """‖t[i]‖₂ for each sample i along BATCH_DIM (float32), None for 0-d tensors."""
-    if t.dim() == 0:
-        return None
-    x = t.detach()
-    if batch_dim:
-        x = x.movedim(batch_dim, 0)
-    x = x.reshape(x.shape[0], -1)
-    return torch.linalg.vector_norm(x.float() if x.dtype not in (torch.float32, torch.float64)
-                                    else x, dim=1).float()
+    return flat.index_select(0, sample_index(n, size, flat.device))
 
 
 def _nonfinite_row(x: torch.Tensor) -> list:
@@ -90,63 +65,57 @@ def _nonfinite_row(x: torch.Tensor) -> list:
     return [n, *body, nan, pinf, ninf]
 
 
+def _cpu_row(x: torch.Tensor, norms: Optional[torch.Tensor]) -> list:
+    """A large CPU tensor now, as host numbers: sum, Σx², aminmax (one pass), |x| sum."""
+    s = x.sum().item()
+    if not math.isfinite(s):
+        return [v.item() if isinstance(v, torch.Tensor) else v for v in _nonfinite_row(x)]
+    if norms is not None:       # Σx² from the per-sample norms: one pass less
+        ss = float(norms.double().square().sum())
+    else:
+        ss = torch.dot(x, x).item()
+    lo, hi = torch.aminmax(x)
+    return [x.numel(), s, x.abs().sum().item(), ss, lo.item(), hi.item(), 0, 0, 0]
+
+
 class StepBatch:
     """The rows, samples and per-sample norms of one step, finished with one transfer."""
 
-    def __init__(self, bins: int, clip: Optional[float], sample: int = 0):
+    def __init__(self, bins: int, clip: Optional[float], sample: int = 0,
+                 pool: Optional[BlockPool] = None):
         self.sample_size = sample
         self.bins = bins
         self.clip = clip
-        self.rows: list = []        # per row: list of _NROW numbers or 0-d tensors
+        self.rows: list = []        # per row: list of _NROW numbers or 0-d tensors, or
+                                    # None (in self.cpu)
         self.samples: list = []     # per row: sample tensor (or None)
         self.norms: list = []       # (row index, per-sample norm tensor)
-        self.small: list = []       # (row index, CPU copy): reduced later, all at once
+        self.cpu = CpuBatch(pool if pool is not None else BlockPool())
 
     def __len__(self):
         return len(self.rows)
 
     def add(self, t: torch.Tensor, sample: int, batch_dim: Optional[int] = None) -> int:
-        """Stats and sample of T now (nothing read back on other devices than the CPU),
-        and with BATCH_DIM its per-sample L2 norms; returns its row index."""
+        """Stats and sample of T now, or a copy to reduce later (nothing read back on
+        other devices than the CPU), and with BATCH_DIM its per-sample L2 norms; returns
+        its row index."""
+        i = len(self.rows)
+        flat = flat_of(t)
+        acc = _ACC.get(flat.dtype, torch.float32)
+        n = flat.numel()
+        if 0 < n <= BATCH and flat.device.type == "cpu":
+            self.rows.append(None)
+            self.samples.append(None)
+            self.cpu.add(i, flat, acc, t.shape if batch_dim is not None else None, batch_dim)
+            return i
         norms = None
         if batch_dim is not None and t.dim() > 0:
             norms = per_sample_norms(t, batch_dim)
-        flat = flat_of(t)
-        acc = _ACC.get(flat.dtype, torch.float32)
         x = flat if flat.dtype == acc else flat.to(acc)
-        n = x.numel()
         if n == 0:
-            self.rows.append([0, 0.0, 0.0, 0.0, math.nan, math.nan, 0, 0, 0])
-            self.samples.append(None)
-            self.add_norms(len(self.rows) - 1, norms)
-            return len(self.rows) - 1
-        if x.device.type == "cpu" and n <= SMALL:
-            # a copy now (one op), the reductions of every small tensor of the step later,
-            # together, on the writer thread: per-op overhead dominates small tensors
-            self.rows.append(None)
-            self.samples.append(None)
-            self.small.append((len(self.rows) - 1, x.clone()))
-            self.add_norms(len(self.rows) - 1, norms)
-            return len(self.rows) - 1
-        if x.device.type == "cpu":
-            # reading a CPU scalar is free: host floats now, nothing left to stack later
-            s = x.sum().item()
-            if math.isfinite(s):
-                if norms is not None:     # Σx² from the per-sample norms: one pass less
-                    ss = float(norms.double().square().sum())
-                elif n > BIG:             # out of cache: torch's threaded kernels
-                    ss = torch.dot(x, x).item()
-                else:
-                    a = x.numpy()
-                    ss = float(np.dot(a, a))
-                if n > BIG:               # one pass for both
-                    lo, hi = (v.item() for v in torch.aminmax(x))
-                else:
-                    lo, hi = x.amin().item(), x.amax().item()
-                row = [n, s, x.abs().sum().item(), ss, lo, hi, 0, 0, 0]
-            else:
-                row = [v.item() if isinstance(v, torch.Tensor) else v
-                       for v in _nonfinite_row(x)]
+            row = [0, 0.0, 0.0, 0.0, math.nan, math.nan, 0, 0, 0]
+        elif x.device.type == "cpu":
+            row = _cpu_row(x, norms)
         else:
             nan = torch.isnan(x).sum()
             pinf = (x == math.inf).sum()
@@ -156,9 +125,9 @@ class StepBatch:
             row = [n - (nan + pinf + ninf), y.sum(), y.abs().sum(),
                    torch.linalg.vector_norm(y).square(), lo, hi, nan, pinf, ninf]
         self.rows.append(row)
-        self.samples.append(sample_of(x, sample) if sample else None)
-        self.add_norms(len(self.rows) - 1, norms)
-        return len(self.rows) - 1
+        self.samples.append(sample_of(x, sample) if sample and n else None)
+        self.add_norms(i, norms)
+        return i
 
     def add_norms(self, row: int, norms: Optional[torch.Tensor]) -> None:
         if norms is not None:
@@ -208,12 +177,14 @@ class StepBatch:
             if dev.type == "cuda":   # the writer thread waits for the main thread's stream
                 staged[-1]["event"] = torch.cuda.Event()
                 staged[-1]["event"].record(torch.cuda.current_stream(dev))
-        small = None
-        if self.small:
-            small = ([i for i, _ in self.small], [c.numel() for _, c in self.small],
-                     torch.cat([c for _, c in self.small]))
-        self.rows, self.samples, self.norms, self.small = [], [], [], []
-        return k, fixed, staged, small
+        cpu = ({}, {})       # samples, norms of the CPU batch
+        if self.cpu:
+            # here, not on the writer thread: torch's threaded kernels there would start a
+            # second OpenMP team, spinning against this thread's on a small machine
+            self.cpu.reduce(fixed, *cpu, self.sample_size)
+        self.rows, self.samples, self.norms = [], [], []
+        self.cpu = CpuBatch(self.cpu.pool)
+        return k, fixed, staged, cpu
 
     def finish(self) -> dict:
         return self.finish_staged(self.stage())
@@ -222,12 +193,12 @@ class StepBatch:
         """Host numpy arrays: the `describe_rows` columns [K], hist [K, bins] int64, lo,
         hi [K], below, above, sample_n [K] int64, norms {row: float32 array}. One host
         transfer per device."""
-        k, stats, parts_by_device, small = staged
+        k, stats, parts_by_device, cpu = staged
         stats = stats.copy()
         host_samples: list = [None] * k
-        norms: dict = {}
-        if small is not None:
-            self._small_stats(stats, host_samples, *small)
+        for i, v in cpu[0].items():
+            host_samples[i] = v
+        norms = dict(cpu[1])
         for d in parts_by_device:
             parts = [p for p in (d["cells"], d["samples"], d["norms"]) if p is not None]
             if not parts:
@@ -253,40 +224,6 @@ class StepBatch:
         out.update(self._histograms(stats, out, host_samples))
         out["norms"] = norms
         return out
-
-    def _small_stats(self, stats, host_samples, rows, lengths, cat) -> None:
-        """Stats and samples of every small CPU tensor of the step, segment by segment,
-        with a few numpy passes over their concatenation."""
-        a = cat.numpy().astype(np.float64)
-        lengths = np.asarray(lengths, np.int64)
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        rows = np.asarray(rows, np.int64)
-        bad = ~np.isfinite(a)
-        if bad.any():
-            seg = np.repeat(np.arange(len(rows)), lengths)
-            nan = np.bincount(seg[np.isnan(a)], minlength=len(rows))
-            pinf = np.bincount(seg[a == np.inf], minlength=len(rows))
-            ninf = np.bincount(seg[a == -np.inf], minlength=len(rows))
-            z = np.where(bad, 0.0, a)
-            lo = np.minimum.reduceat(np.where(bad, np.inf, a), starts)
-            hi = np.maximum.reduceat(np.where(bad, -np.inf, a), starts)
-            finite = lengths - nan - pinf - ninf
-            lo = np.where(finite > 0, lo, np.nan)
-            hi = np.where(finite > 0, hi, np.nan)
-        else:
-            z = a
-            nan = pinf = ninf = np.zeros(len(rows))
-            lo = np.minimum.reduceat(a, starts)
-            hi = np.maximum.reduceat(a, starts)
-            finite = lengths
-        stats[rows] = np.stack([finite, np.add.reduceat(z, starts),
-                                np.add.reduceat(np.abs(z), starts),
-                                np.add.reduceat(z * z, starts), lo, hi, nan, pinf, ninf], 1)
-        size = self.sample_size
-        if size:
-            for r, s0, n in zip(rows, starts, lengths):
-                seg = a[s0:s0 + n]
-                host_samples[r] = seg if n <= size else seg[_sample_index(int(n), size, "cpu").numpy()]
 
     def _histograms(self, stats: np.ndarray, desc: dict, samples: list) -> dict:
         """Bin every sample at once: range = [min, max] of the finite values, clipped to
