@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -192,8 +193,11 @@ def measure(name, device, reps, per, run_dir, texp):
             print(f"{name}: {k} failed ({type(exc).__name__}: {str(exc)[:120]}); left out")
             del vs[k]
     times = {k: [] for k in vs}
+    order = random.Random(0)
     for _ in range(reps):
-        for k, v in vs.items():
+        # a new order every repetition: no variant always runs right after the heaviest
+        for k in order.sample(list(vs), len(vs)):
+            v = vs[k]
             t = v.steps(per)
             if k == "record@100":
                 # a new recorder each block: its step 0 is recorded; the two steps after

@@ -2,9 +2,11 @@
 
     python benchmarks/bench_watch.py [--quick] [--models mlp,cnn,gpt] [--device cpu|cuda]
 
-One process; for each model the variants run interleaved (plain, watch, detect_anomaly,
-naive per-op isfinite), repetition after repetition, and the median step time of each is
-printed as a ratio to plain. A step is zero_grad + forward + backward + optimizer step.
+One process; for each model the variants run interleaved, in a new (seeded) random order
+every repetition (plain, plain2 = plain again, the
+noise floor, a do-nothing dispatch mode, watch, watch exact, detect_anomaly, naive per-op
+isfinite), repetition after repetition, and the median step time of each is printed as a
+ratio to plain. A step is zero_grad + forward + backward + optimizer step.
 Models: MLP 784-256-256-10 (batch 64, SGD), ResNet-18-like CNN (batch 16, 3x64x64, SGD
 with momentum), GPT-like transformer (6 layers, d=512, 8 heads, seq 128, batch 8, AdamW).
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import sys
 import time
@@ -153,6 +156,7 @@ class Plain:
 def variants():
     return {
         "plain": Plain,
+        "plain2": Plain,        # the same plain step again: the noise floor of the run
         "empty_mode": EmptyMode,
         "watch": lambda: mldebug.watch(action="raise"),
         "watch_exact": lambda: mldebug.watch(action="raise", exact=True),
@@ -183,8 +187,12 @@ def measure(name, device, reps, warmup=2, steps_per_rep=1, only=None):
             with make():
                 step(model, loss_fn, opt)
     sync(device)
+    order = random.Random(0)
     for _ in range(reps):
-        for k, make in vs.items():
+        # a new order every repetition: a variant that always ran right after the heaviest
+        # one measured ~7% slow here, which biased every ratio to it
+        for k in order.sample(list(vs), len(vs)):
+            make = vs[k]
             with make():
                 sync(device)
                 t0 = time.perf_counter()
@@ -233,7 +241,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (< ~1 min)")
     parser.add_argument("--models", default="mlp,cnn,gpt")
     parser.add_argument("--variants",
-                        default="plain,empty_mode,watch,watch_exact,detect_anomaly,naive_isfinite")
+                        default="plain,plain2,empty_mode,watch,watch_exact,detect_anomaly,"
+                                "naive_isfinite")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads")
     args = parser.parse_args(argv)
