@@ -378,3 +378,23 @@ def test_a_program_that_forgets_close_still_writes_its_run(tmp_path, write_progr
     with open_run(tmp_path / "open.sqlite") as run:
         assert run.status == "closed" and run.steps() == [0, 1, 2]
         assert len(run.scalars()["loss"]) == 3
+
+
+def test_an_empty_batch_is_recorded_without_a_warning(tmp_path):
+    """A step with no samples (an empty last batch): every tensor of the batch is empty,
+    their gradients too; per-sample norms of none are none (this used to warn)."""
+    import warnings
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with mldebug.record(model, run_dir=tmp_path, run="empty") as rec:
+            for x in (torch.randn(5, 8), torch.randn(0, 8)):
+                opt.zero_grad()
+                model(x).sum().backward()
+                opt.step()
+    with open_run(rec.path) as run:
+        rows = run.stats("0:output[0]")
+        assert [r["numel"] for r in rows] == [80, 0]
+        grads = run.stats("0:output_grad[0]")
+        assert [r["numel"] for r in grads] == [80, 0]

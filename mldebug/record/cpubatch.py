@@ -178,6 +178,8 @@ def per_sample_norms(t: torch.Tensor, batch_dim: int = 0) -> Optional[torch.Tens
     x = t.detach()
     if batch_dim:
         x = x.movedim(batch_dim, 0)
+    if x.shape[0] == 0:         # no samples (reshape(0, -1) would be ambiguous)
+        return torch.zeros(0, dtype=torch.float32, device=x.device)
     x = x.reshape(x.shape[0], -1)
     return torch.linalg.vector_norm(x.float() if x.dtype not in (torch.float32, torch.float64)
                                     else x, dim=1).float()
