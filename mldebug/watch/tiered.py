@@ -580,8 +580,10 @@ class _GradSentinel:
         if not t.in_backward or self.index >= len(grad_outputs):
             return None
         grad = grad_outputs[self.index]
-        if self.call is not None and isinstance(grad, Tensor):
-            self._keep(t, grad)
+        if self.call is not None:
+            if isinstance(grad, Tensor):
+                self._keep(t, grad)     # (its own check: what it finds is the loss's)
+            return None
         if t.bflag is not None:
             return None
         if isinstance(grad, Tensor) \
