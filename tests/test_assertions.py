@@ -3,7 +3,6 @@ healthy ones; custom assertions of every kind; the CLI stops with reason 'assert
 from __future__ import annotations
 
 import runpy
-import warnings
 
 import pytest
 import torch

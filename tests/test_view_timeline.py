@@ -243,8 +243,9 @@ VISIBLE_JS = """name => Bokeh.documents[0].get_model_by_name(name).visible"""
 
 @needs_chromium
 def test_log_scale_switches_the_histogram_colours_and_the_kpi_axis(page, runs):
-    """With the log scale on, the image is coloured by the log of the share and the KPI is drawn on a log
-    axis (its own figure, the linear one hidden); off again puts both back."""
+    """With the log scale on, the image is coloured by the log of the share and the KPI
+    is drawn on a log axis (its own figure, the linear one hidden); off again puts both
+    back."""
     wait_model(page, "mld-tl-run", "options", lambda v: len(v) >= 2)   # (+ earlier tests')
     wait_model(page, "mld-tl-kpi-a", "step", lambda v: len(v) > 0)
     assert page.evaluate(GLYPH_JS, "mld-tl-image-a") == "LinearColorMapper"

@@ -114,7 +114,6 @@ class RootCall:
                 self.used[pos] = tensor
 
 
-
 def rng_state(cuda_on: bool = True):
     """(cpu state, cuda states or None): taken as every module call starts (1.5 us)."""
     cuda = None
