@@ -58,6 +58,7 @@ class Page:
         self.index = None          # full index (one int per dim)
         self.show_grad = False
         self.serial = 0            # newest tensor request; older results are dropped
+        self.stats_serial = -1     # request whose full stats are shown
         self.expanded: set = set()
         self.graph = None
         self.last_pause = -1
@@ -366,7 +367,10 @@ class Page:
                                    f"src='data:image/png;base64,{img['png_base64']}'>")
         else:
             self.image_div.text = ""
-        self.stats.text = "<i>stats: computing…</i>"
+        if self.stats_serial != serial:
+            # (Bokeh may run the job's next-tick callbacks out of order: stats that came
+            # first must not be overwritten)
+            self.stats.text = "<i>stats: computing…</i>"
         if first or ndim != len(self.row_dim.options):
             self._build_dim_controls(shape)
 
@@ -390,6 +394,7 @@ class Page:
 
     def _show_stats(self, serial, text):
         if serial == self.serial:
+            self.stats_serial = serial
             self.stats.text = text
 
     # -- graph and assertions ------------------------------------------------------------
