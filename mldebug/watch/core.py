@@ -612,13 +612,17 @@ class Watch(TieredChecks):
         except Exception:
             return
         if len(self._taint) > 4096:
-            self._taint = {k: r for k, r in self._taint.items() if r[0]() is not None}
+            self._prune_taint()
         self._taint[ptr] = (ref, self._version(t), has_nan, has_inf, lineage)
+
+    def _prune_taint(self) -> None:
+        """Drop the records of non-finite tensors whose memory is gone."""
+        self._taint = {k: r for k, r in self._taint.items() if r[0]() is not None}
 
     def _no_live_taint(self) -> bool:
         """Whether no non-finite tensor judged so far is still alive (dead ones dropped)."""
         if self._taint:
-            self._taint = {k: r for k, r in self._taint.items() if r[0]() is not None}
+            self._prune_taint()
         return not self._taint
 
     def _taint_get(self, t):

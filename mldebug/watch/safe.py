@@ -40,23 +40,8 @@ SAFE_BACKWARD = frozenset("""
 MAX_LOSS_NODES = 64    # a bigger region outside the model gets the dry run
 
 
-def loss_region_nodes(roots, boundary, limit=MAX_LOSS_NODES) -> list:
-    """Names of the autograd nodes from ROOTS down to the BOUNDARY ids (at most LIMIT)."""
-    stack = [r.grad_fn for r in roots]
-    seen, names = set(), []
-    while stack and len(names) < limit:
-        node = stack.pop()
-        if node is None or id(node) in boundary or id(node) in seen:
-            continue
-        seen.add(id(node))
-        names.append(node.name())
-        stack.extend(fn for fn, _ in node.next_functions)
-    return names
-
-
-def loss_region_safe(roots, boundary) -> bool:
-    """Whether the autograd graph from ROOTS down to the BOUNDARY nodes (the model
-    outputs' nodes, by id) is made only of SAFE_BACKWARD nodes (a few: a bounded walk)."""
+def _loss_region(roots, boundary):
+    """The autograd nodes from ROOTS down to (not into) the BOUNDARY ids, each once."""
     stack = [r.grad_fn for r in roots]
     seen = set()
     while stack:
@@ -64,12 +49,25 @@ def loss_region_safe(roots, boundary) -> bool:
         if node is None or id(node) in boundary or id(node) in seen:
             continue
         seen.add(id(node))
-        if len(seen) > MAX_LOSS_NODES:
+        yield node
+        stack.extend(fn for fn, _ in node.next_functions)
+
+
+def loss_region_nodes(roots, boundary, limit=MAX_LOSS_NODES) -> list:
+    """Names of the autograd nodes from ROOTS down to the BOUNDARY ids (at most LIMIT)."""
+    return [node.name() for _, node in zip(range(limit), _loss_region(roots, boundary))]
+
+
+def loss_region_safe(roots, boundary) -> bool:
+    """Whether the autograd graph from ROOTS down to the BOUNDARY nodes (the model
+    outputs' nodes, by id) is made only of SAFE_BACKWARD nodes (a few: a bounded walk)."""
+    for count, node in enumerate(_loss_region(roots, boundary), 1):
+        if count > MAX_LOSS_NODES:
             return False
         name = node.name()
-        edges = node.next_functions
         if name == "DivBackward0":
             # x / y: safe when only x needs a gradient (a y near 0 would blow up dy)
+            edges = node.next_functions
             if len(edges) > 1 and edges[1][0] is not None:
                 return False
         elif name == "PowBackward0":
@@ -79,7 +77,6 @@ def loss_region_safe(roots, boundary) -> bool:
                 return False
         elif name not in SAFE_BACKWARD:
             return False
-        stack.extend(fn for fn, _ in edges)
     return True
 
 

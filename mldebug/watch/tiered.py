@@ -591,12 +591,9 @@ class _GradSentinel:
             if not grad.is_cpu:   # no sync here: read with the parameters' gradients
                 t.device_grad_sums.append((grad.detach().sum(dtype=_F32), self.record))
                 return None
-            sum_dtype = _SUM_DTYPE[grad.dtype]
-            s = grad.sum() if sum_dtype is None else grad.sum(dtype=sum_dtype)
-            if not _isfinite(s.item()):
-                counts = _counts(grad)
-                if sum(counts):
-                    t.bflag = (self.record, counts)
+            counts = _cpu_nonfinite_counts(grad)
+            if counts is not None:
+                t.bflag = (self.record, counts)
         return None
 
     def _keep(self, t, grad):
@@ -607,12 +604,20 @@ class _GradSentinel:
         if not grad.is_cpu:
             t.device_loss_sums.append((grad.detach().sum(dtype=_F32), self.call, self.pos))
         elif t.loss_bflag is None:
-            sum_dtype = _SUM_DTYPE[grad.dtype]
-            s = grad.sum() if sum_dtype is None else grad.sum(dtype=sum_dtype)
-            if not _isfinite(s.item()):
-                counts = _counts(grad)
-                if sum(counts):
-                    t.loss_bflag = (self.call, self.pos, counts)
+            counts = _cpu_nonfinite_counts(grad)
+            if counts is not None:
+                t.loss_bflag = (self.call, self.pos, counts)
+
+
+def _cpu_nonfinite_counts(grad):
+    """A CPU gradient (floating, checkable): one sum; exact (nan, +inf, -inf) counts when
+    it holds a NaN/Inf, else None (also for a finite sum that merely overflowed)."""
+    sum_dtype = _SUM_DTYPE[grad.dtype]
+    s = grad.sum() if sum_dtype is None else grad.sum(dtype=sum_dtype)
+    if _isfinite(s.item()):
+        return None
+    counts = _counts(grad)
+    return counts if sum(counts) else None
 
 
 def boundary_of(targets) -> dict:

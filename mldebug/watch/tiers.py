@@ -228,11 +228,8 @@ def mode_off(mode):
 
 def any_nonfinite(obj) -> bool:
     """Whether any floating tensor in OBJ (arguments of a call) holds a NaN/Inf."""
-    for t in flat_tensors(obj):
-        if t.is_floating_point() and t.layout is torch.strided and not t.is_meta:
-            if not math.isfinite(t.detach().sum(dtype=_F32).item()):
-                return True
-    return False
+    return any_nonfinite_sum([t for t in flat_tensors(obj) if t.is_floating_point()
+                              and t.layout is torch.strided and not t.is_meta])
 
 
 def step_tensors(optimizer) -> list:
