@@ -256,6 +256,14 @@ def _close_assertions(started) -> None:
         started.close()
 
 
+def _flush_watches(started) -> None:
+    from .watch import active_watch
+
+    for watch in (started, active_watch()):
+        if watch is not None:
+            watch.flush()
+
+
 def _close_watches(started) -> None:
     """Close the watch the CLI started and any the user started at the prompt."""
     from .watch import active_watch
@@ -266,7 +274,10 @@ def _close_watches(started) -> None:
         warnings.simplefilter("ignore", RuntimeWarning)
         for watch in (started, active_watch()):
             if watch is not None:
-                watch.close()
+                try:
+                    watch.close()
+                except (_session.BatchStop, bdb.BdbQuit):
+                    pass     # a stop in what was pending: printed and reported already
 
 
 def run(args) -> int:
@@ -345,6 +356,9 @@ def run(args) -> int:
             debugger.run(program.code, globals_)
         else:
             exec(program.code, globals_)
+        # what the watch still holds (a CUDA program's last window, stops found on
+        # autograd's device thread) is judged while a stop can still pause or end the run
+        _flush_watches(watch)
         # the program may have caught BatchStop (`except BaseException`): the stop stands
         return EXIT_BATCH_STOP if session.batch_stopped else 0
     except SystemExit as exc:

@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 PROGRAMS = Path(__file__).resolve().parent / "programs"
@@ -72,3 +73,23 @@ def write_program(tmp_path):
         path.write_text(textwrap.dedent(source))
         return path
     return write
+
+
+# The watch and the recorder have a host path and a device path (reads batched per
+# device, CUDA RNG states, events): tests that take `device` run on the CPU, on the CPU
+# with the watch's device path (what CI, which has no GPU, can run of it) and on CUDA,
+# skipped without a GPU (they were run on a lent H100).
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(params=["cpu", "cpu-as-device", pytest.param("cuda", marks=needs_cuda)])
+def device(request):
+    if request.param != "cpu-as-device":
+        yield request.param
+        return
+    from mldebug.watch import core
+    core.simulate_device(True)
+    try:
+        yield "cpu"
+    finally:
+        core.simulate_device(False)

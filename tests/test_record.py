@@ -23,15 +23,15 @@ from mldebug.record.timeline import compare, timeline
 from conftest import clean_env, run_cli
 
 
-def make_mlp(seed=0):
+def make_mlp(seed=0, device="cpu"):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)).to(device)
 
 
-def batches(n, seed=1):
+def batches(n, seed=1, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(5, 8, generator=g), torch.randint(0, 3, (5,), generator=g))
-            for _ in range(n)]
+    return [(torch.randn(5, 8, generator=g).to(device),
+             torch.randint(0, 3, (5,), generator=g).to(device)) for _ in range(n)]
 
 
 def train(model, data, lr=0.1, each=None):
@@ -53,7 +53,7 @@ def _close(a, b, rel=1e-5):
 
 def check_row(row, t):
     """A stored stats row against torch's own numbers for tensor T."""
-    t = t.detach().double().flatten()
+    t = t.detach().cpu().double().flatten()
     assert row["numel"] == t.numel()
     assert _close(row["mean"], t.mean().item())
     assert _close(row["abs_mean"], t.abs().mean().item())
@@ -64,9 +64,9 @@ def check_row(row, t):
     assert row["nan"] == row["posinf"] == row["neginf"] == 0
 
 
-def test_recorded_stats_match_torch(tmp_path):
-    model = make_mlp()
-    data = batches(4)
+def test_recorded_stats_match_torch(tmp_path, device):
+    model = make_mlp(device=device)
+    data = batches(4, device=device)
     expected = {}
     outs = {}
 
@@ -96,11 +96,11 @@ def test_recorded_stats_match_torch(tmp_path):
             check_row(run.stats("2.weight:param_grad", steps=[i])[0], e["w_grad"])
             # per-sample gradient norms of the output
             norms = run.norms("0:output_grad[0]", i)
-            np.testing.assert_allclose(norms, e["h_grad"].norm(dim=1).numpy(), rtol=1e-5)
+            np.testing.assert_allclose(norms, e["h_grad"].norm(dim=1).cpu().numpy(), rtol=1e-5)
             # the histogram of a small tensor counts every value over [min, max]
             h = [x for x in run.histograms("0:output[0]") if x["step"] == i][0]
             assert h["sample_n"] == 80 and sum(h["counts"]) + h["below"] + h["above"] == 80
-            ref, _ = np.histogram(e["h"].double().numpy(), bins=30, range=(h["lo"], h["hi"]))
+            ref, _ = np.histogram(e["h"].cpu().double().numpy(), bins=30, range=(h["lo"], h["hi"]))
             assert np.abs(ref - np.array(h["counts"])).sum() <= 2
         # the loss logged after optimizer.step() belongs to the step that just ended
         assert [s for s, _ in run.scalars()["loss"]] == [0, 1, 2, 3]
@@ -124,12 +124,12 @@ def test_every_records_only_those_steps_and_unrecorded_steps_have_no_module_hook
         assert [s for s, _ in run.scalars("loss")["loss"]] == list(range(7))
 
 
-def test_recording_never_changes_training(tmp_path):
-    plain = train(make_mlp(), batches(6))
-    model = make_mlp()
+def test_recording_never_changes_training(tmp_path, device):
+    plain = train(make_mlp(device=device), batches(6, device=device))
+    model = make_mlp(device=device)
     with mldebug.record(model, run_dir=tmp_path, run="r",
                         capture=[Capture("0", "output"), Capture("2", "input_grad", "sum")]):
-        train(model, batches(6))
+        train(model, batches(6, device=device))
     for a, b in zip(plain.parameters(), model.parameters()):
         assert torch.equal(a, b)
 
@@ -158,9 +158,9 @@ def test_close_removes_every_hook_also_on_exception(tmp_path):
         assert run.steps() == [0]          # the step in progress was written at close
 
 
-def test_captures_store_full_tensors_with_reductions(tmp_path):
-    model = make_mlp()
-    x1, x2 = torch.randn(5, 8), torch.randn(5, 8)
+def test_captures_store_full_tensors_with_reductions(tmp_path, device):
+    model = make_mlp(device=device)
+    x1, x2 = torch.randn(5, 8, device=device), torch.randn(5, 8, device=device)
     outs, grads = [], []
     def keep(module, args, out):
         outs.append(out.detach().clone())
@@ -175,14 +175,14 @@ def test_captures_store_full_tensors_with_reductions(tmp_path):
         rec.step()
     with open_run(rec.path) as run:
         caps = {(c["key"], c["reduction"], c["call"]): c["array"] for c in run.captures()}
-    np.testing.assert_array_equal(caps[("0:capture_output[0]", "none", 0)], outs[0].numpy())
-    np.testing.assert_array_equal(caps[("0:capture_output[0]", "none", 1)], outs[1].numpy())
+    np.testing.assert_array_equal(caps[("0:capture_output[0]", "none", 0)], outs[0].cpu().numpy())
+    np.testing.assert_array_equal(caps[("0:capture_output[0]", "none", 1)], outs[1].cpu().numpy())
     np.testing.assert_allclose(caps[("0:capture_output[0]", "sum", 0)],
-                               (outs[0] + outs[1]).numpy(), rtol=1e-6)
+                               (outs[0] + outs[1]).cpu().numpy(), rtol=1e-6)
     np.testing.assert_array_equal(caps[("0:capture_output_grad[0]", "max", 0)],
-                                  torch.maximum(grads[0], grads[1]).numpy())
+                                  torch.maximum(grads[0], grads[1]).cpu().numpy())
     np.testing.assert_array_equal(caps[("0:capture_pre_input[0]", "<lambda>", 0)],
-                                  torch.cat([x1, x2]).numpy())
+                                  torch.cat([x1, x2]).cpu().numpy())
 
 
 def test_module_selection_and_condition(tmp_path):
@@ -398,3 +398,42 @@ def test_an_empty_batch_is_recorded_without_a_warning(tmp_path):
         assert [r["numel"] for r in rows] == [80, 0]
         grads = run.stats("0:output_grad[0]")
         assert [r["numel"] for r in grads] == [80, 0]
+
+
+def test_the_device_batch_path_matches_torch_and_the_cpu_path():
+    """A GPU step's small tensors are copied into blocks whose reductions are queued
+    (`stage`) and read on the writer thread (`finish`); run here on the CPU, it must
+    give what the CPU path and torch give, NaN/Inf and padding included."""
+    from mldebug.record.tensorbatch import BlockPool, TensorBatch
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(5, 16, generator=g), torch.randn(3000, generator=g) * 1e3,
+          torch.randn(7, 8, 9, generator=g), torch.tensor([1.0, float("nan"), 3.0, float("inf")]),
+          torch.randn(2048, generator=g), torch.randn(1, generator=g).half(),
+          -torch.rand(1500, generator=g) - 1]              # all negative: max is not 0 padding
+    pool = BlockPool()
+
+    def run(staged):
+        b = TensorBatch(pool, "cpu")
+        for i, t in enumerate(ts):
+            b.add(i, t.reshape(-1), torch.float32, t.shape, 0 if t.dim() > 1 else None)
+        rows, samples, norms = np.zeros((len(ts), 9)), {}, {}
+        if staged:
+            st = b.stage(100)
+            st.finish([x.double().numpy().reshape(-1) for x in st.tensors], rows, samples, norms)
+        else:
+            b.reduce(rows, samples, norms, 100)
+        return rows, samples, norms
+
+    (host, host_s, host_n), (dev, dev_s, dev_n) = run(False), run(True)
+    np.testing.assert_allclose(dev, host, rtol=1e-6)
+    assert dev_s.keys() == host_s.keys() == set(range(len(ts)))
+    for k in host_s:
+        np.testing.assert_array_equal(dev_s[k], host_s[k])
+    assert dev_n.keys() == host_n.keys() == {0, 2}
+    np.testing.assert_allclose(dev_n[2], ts[2].reshape(7, -1).norm(dim=1).numpy(), rtol=1e-5)
+    for i in (0, 1, 4, 6):
+        t = ts[i].double()
+        # float32 row sums: exact to float32 rounding of the values' magnitudes
+        assert dev[i, 1] == pytest.approx(t.sum().item(), abs=1e-6 * t.abs().sum().item())
+        assert (dev[i, 4], dev[i, 5]) == (t.min().item(), t.max().item())
+    assert list(dev[3]) == [2, 4, 4, 10, 1, 3, 1, 1, 0]   # finite stats, then the counts

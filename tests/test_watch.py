@@ -427,17 +427,19 @@ class _LogHead(nn.Module):
 
 
 @cuda
-def test_cuda_forward_stop_names_the_op_and_pauses_at_the_window():
+def test_cuda_forward_stop_names_the_op_and_pauses_in_the_re_run():
+    """The module outputs' sums are read once, when the outermost call returns; the
+    flagged call is then re-run op by op, and the pause is in its frame, as on the CPU."""
     model = nn.Sequential(nn.Linear(4, 4), _LogHead(), nn.Linear(4, 1)).cuda()
     got = []
     with watch(on_violation=lambda v: got.append((v, v.frame.f_lineno if v.frame else 0))):
-        y = model(torch.randn(2, 4, device="cuda"))  # cuda-call
+        y = model(torch.randn(2, 4, device="cuda"))
     v, pause_line = got[0]
     here = os.path.abspath(__file__)
     assert (v.op, v.module, v.module_type, v.stage, v.created) == (
         "aten.log.default", "1", "_LogHead", "forward", True)
     assert (v.file, v.line) == (here, marked_line(here, "# cuda-here"))
-    assert pause_line == marked_line(here, "# cuda-call")   # the window boundary
+    assert pause_line == marked_line(here, "# cuda-here")
     assert len(got) == 1 and y.isnan().any()
 
 

@@ -42,14 +42,14 @@ class Block(nn.Module):
         return self.act(out)
 
 
-def test_value_made_by_the_parents_code_is_pinned_there_not_in_the_child():
+def test_value_made_by_the_parents_code_is_pinned_there_not_in_the_child(device):
     """The in-place ReLU's output is the first bad module output, but its input was
     already Inf: the flag goes up to Block, whose replay stops at the multiplication."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), Block())
+    model = nn.Sequential(nn.Linear(4, 4), Block()).to(device)
     got, w = collect()
     with w:
-        model(torch.ones(2, 4))
+        model(torch.ones(2, 4, device=device))
     assert len(got) == 1
     v = got[0]
     assert (v.kind, v.op, v.module, v.module_type, v.stage, v.created) == (
@@ -64,18 +64,19 @@ class DropThenLog(nn.Module):
         return torch.log(x)  # here
 
 
-def test_replay_draws_the_same_random_numbers_and_leaves_the_rng_as_it_was():
+def test_replay_draws_the_same_random_numbers_and_leaves_the_rng_as_it_was(device):
+    rng = torch.cuda.get_rng_state if device == "cuda" else torch.get_rng_state
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), DropThenLog())
-    x = torch.randn(16, 8)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), DropThenLog()).to(device)
+    x = torch.randn(16, 8, device=device)
     torch.manual_seed(1)
     expected = model(x)
-    after_plain = torch.get_rng_state()
+    after_plain = rng()
     got, w = collect()
     torch.manual_seed(1)
     with w:
         out = model(x)
-    assert torch.equal(torch.get_rng_state(), after_plain)
+    assert torch.equal(rng(), after_plain)
     assert torch.equal(out.isnan(), expected.isnan())
     assert len(got) == 1
     v = got[0]
@@ -97,17 +98,17 @@ class MaskedNet(nn.Module):
     def forward(self, x):
         h = self.drop(self.bn(self.lin(x)))
         scores = h.unsqueeze(-1) * h.unsqueeze(-2)
-        mask = torch.triu(torch.ones(4, 4, dtype=torch.bool), 1)
+        mask = torch.triu(torch.ones(4, 4, dtype=torch.bool, device=x.device), 1)
         return scores.masked_fill(mask, float("-inf"))
 
 
-def test_a_replay_never_changes_buffers_or_results_bitwise():
+def test_a_replay_never_changes_buffers_or_results_bitwise(device):
     """Steps flag (the mask); a replay re-runs BatchNorm (which updates its running
     stats) and dropout (which draws random numbers): the running stats, the weights and
     the RNG after training stay bitwise those of a run without mldebug."""
     def train(watched):
         torch.manual_seed(0)
-        model = MaskedNet()
+        model = MaskedNet().to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         got, w = collect()
         if not watched:
@@ -115,12 +116,13 @@ def test_a_replay_never_changes_buffers_or_results_bitwise():
         with w:
             for _ in range(3):
                 opt.zero_grad()
-                out = model(torch.randn(8, 4))
+                out = model(torch.randn(8, 4).to(device))
                 loss = out.softmax(-1).nan_to_num().pow(2).sum()
                 loss.backward()
                 opt.step()
             replays = len(w._t.fruitless) if watched else 0
-        return model.state_dict(), torch.get_rng_state(), got, replays
+        rng = torch.cuda.get_rng_state() if device == "cuda" else torch.get_rng_state()
+        return model.state_dict(), rng, got, replays
 
     plain_state, plain_rng, _, _ = train(False)
     state, rng, got, replays = train(True)
@@ -131,12 +133,12 @@ def test_a_replay_never_changes_buffers_or_results_bitwise():
         assert torch.equal(state[key], plain_state[key]), key
 
 
-def test_loss_code_outside_the_model_is_checked_op_by_op_in_backward():
+def test_loss_code_outside_the_model_is_checked_op_by_op_in_backward(device):
     """sqrt of a zero loss: finite forward, infinite derivative in the loss's own
     backward (outside every module): the dry run of the loss region stops there."""
     torch.manual_seed(0)
-    model = nn.Linear(3, 1)
-    x = torch.randn(5, 3)
+    model = nn.Linear(3, 1).to(device)
+    x = torch.randn(5, 3, device=device)
     got, w = collect()
     with w:
         pred = model(x)
@@ -171,18 +173,18 @@ def test_a_call_that_cannot_be_replayed_still_stops_and_says_why():
     assert "not pinned" in v.text and "output of 1" in v.text
 
 
-def test_a_gradient_made_outside_the_model_names_the_parameter():
+def test_a_gradient_made_outside_the_model_names_the_parameter(device):
     """An L2-like term over a parameter, written in the training loop: its backward is
     outside the model's calls and outside the loss's path to the model output, so the
     real backward (without the per-op check) makes it; the stop names the parameter and
     says the op was not pinned."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1)).to(device)
     with torch.no_grad():
         model[2].weight[0, 0] = 0.0     # d/dw |w|**0.5 is infinite at 0
     got, w = collect()
     with w:
-        loss = model(torch.randn(4, 3)).sum() + model[2].weight.abs().pow(0.5).sum()
+        loss = model(torch.randn(4, 3, device=device)).sum() + model[2].weight.abs().pow(0.5).sum()
         loss.backward()  # here
     assert len(got) == 1
     v = got[0]
@@ -258,15 +260,15 @@ def test_a_compiled_module_is_checked_at_its_boundary_and_says_so():
     assert [(v.kind, v.op, v.created) for v in got] == [("inf", "aten.log.default", True)]
 
 
-def test_an_optimizer_state_that_overflows_is_a_stop_though_the_parameter_is_finite():
+def test_an_optimizer_state_that_overflows_is_a_stop_though_the_parameter_is_finite(device):
     """Adam with a gradient of 1e25: exp_avg_sq = 0.001 * 1e50 is +Inf in float32, the
     update is exp_avg / inf = 0, the parameter stays finite -- and silently never moves
     again. The step's check reads the state too and names it."""
-    p = nn.Parameter(torch.ones(3))
+    p = nn.Parameter(torch.ones(3, device=device))
     opt = torch.optim.Adam([p], lr=0.1)
     got, w = collect()
     with w:
-        p.grad = torch.full((3,), 1e25)
+        p.grad = torch.full((3,), 1e25, device=device)
         opt.step()  # here
     assert bool(p.isfinite().all())
     assert len(got) == 1
@@ -277,16 +279,16 @@ def test_an_optimizer_state_that_overflows_is_a_stop_though_the_parameter_is_fin
     assert v.line == lineno(test_an_optimizer_state_that_overflows_is_a_stop_though_the_parameter_is_finite)
 
 
-def test_a_step_on_gradients_already_reported_is_not_a_new_stop():
+def test_a_step_on_gradients_already_reported_is_not_a_new_stop(device):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 1))
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 1)).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     got, w = collect()
     with w:
-        loss = torch.log(model(torch.randn(4, 3)) - 100).sum()   # NaN: stop 1 (forward)
+        loss = torch.log(model(torch.randn(4, 3, device=device)) - 100).sum()  # NaN: stop 1
         loss.backward()
         opt.step()       # NaN gradients -> NaN parameters: flows on, no stop
-        model(torch.randn(4, 3)).sum().backward()
+        model(torch.randn(4, 3, device=device)).sum().backward()
         opt.step()
     assert [(v.stage, v.op) for v in got] == [("forward", "aten.log.default")]
 
@@ -345,18 +347,19 @@ def count_dry_runs(monkeypatch):
 
 
 def test_a_safe_loss_region_skips_the_dry_run_and_the_models_backward_is_still_pinned(
-        monkeypatch):
+        monkeypatch, device):
     """cross_entropy and x**2 have backward nodes that cannot make a NaN/Inf from finite
     values: no dry run; the output's gradient is kept by its node's pre-hook, and the
     replay of the model's backward from it still stops at the sqrt."""
     dry = count_dry_runs(monkeypatch)
-    for make_loss in (lambda out: F.cross_entropy(out, torch.tensor([0, 1] * 4)),
+    for make_loss in (lambda out: F.cross_entropy(out, torch.tensor([0, 1] * 4, device=device)),
                       lambda out: out.pow(2).mean()):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), RootFeature(), nn.Linear(6, 2))
+        model = model.to(device)
         got, w = collect()
         with w:
-            make_loss(model(torch.randn(8, 4))).backward()
+            make_loss(model(torch.randn(8, 4, device=device))).backward()
         assert dry == []
         assert len(got) == 1
         v = got[0]
@@ -364,20 +367,20 @@ def test_a_safe_loss_region_skips_the_dry_run_and_the_models_backward_is_still_p
             "backward", "SqrtBackward0", "2", "RootFeature", "torch.sqrt")
         assert v.line == lineno(RootFeature.forward)
     # a loss whose own backward can blow up (x ** 0.5) still gets its dry run
-    model = nn.Linear(4, 1)
+    model = nn.Linear(4, 1).to(device)
     with collect()[1]:
-        model(torch.randn(8, 4)).abs().pow(0.5).mean().backward()
+        model(torch.randn(8, 4, device=device)).abs().pow(0.5).mean().backward()
     assert len(dry) == 1
 
 
-def test_an_overflow_in_the_unchecked_loss_region_is_still_a_stop_that_says_where():
+def test_an_overflow_in_the_unchecked_loss_region_is_still_a_stop_that_says_where(device):
     """A float16 model and a loss in float32 scaled by 1e5: the gradient cast back to
     float16 overflows in ToCopyBackward0, a node of the loss region that has no dry run
     (only an overflow can make it non-finite). The output's gradient is checked: a stop
     at loss.backward() naming the region's nodes; `--watch exact` pins the op."""
     torch.manual_seed(0)
-    model = nn.Linear(4, 2).half()
-    x = torch.randn(3, 4).half()
+    model = nn.Linear(4, 2).half().to(device)
+    x = torch.randn(3, 4).half().to(device)
     got, w = collect()
     with w:
         loss = (model(x).float() * 1e5).sum()
@@ -395,7 +398,7 @@ def test_an_overflow_in_the_unchecked_loss_region_is_still_a_stop_that_says_wher
         opt.step()
     assert len(got) == 1
     torch.manual_seed(0)
-    model = nn.Linear(4, 2).half()
+    model = nn.Linear(4, 2).half().to(device)
     got, w = collect(exact=True)
     with w:
         (model(x).float() * 1e5).sum().backward()
@@ -407,15 +410,15 @@ class Overflow(nn.Module):
         return x * 1e38 * 1e1  # here
 
 
-def test_an_output_whose_check_a_sequential_leaves_to_the_next_child_is_still_pinned():
+def test_an_output_whose_check_a_sequential_leaves_to_the_next_child_is_still_pinned(device):
     """In Sequential(Linear, Overflow, Linear, ReLU) the Inf leaving Overflow is not
     summed (the Linear after it shows any NaN/Inf); the flag on that Linear defers to the
     Sequential, whose exact re-run stops at the multiplication in Overflow."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), Overflow(), nn.Linear(4, 4), nn.ReLU())
+    model = nn.Sequential(nn.Linear(4, 4), Overflow(), nn.Linear(4, 4), nn.ReLU()).to(device)
     got, w = collect()
     with w:
-        model(torch.ones(2, 4))
+        model(torch.ones(2, 4, device=device))
     assert [(v.kind, v.op, v.module, v.module_type, v.stage, v.created) for v in got] == [
         ("inf", "aten.mul.Tensor", "1", "Overflow", "forward", True)]
     assert got[0].line == lineno(Overflow.forward)
@@ -424,7 +427,7 @@ def test_an_output_whose_check_a_sequential_leaves_to_the_next_child_is_still_pi
     model[2] = nn.ReLU()
     got, w = collect()
     with w:
-        model(-torch.ones(2, 4))
+        model(-torch.ones(2, 4, device=device))
     assert [(v.op, v.module) for v in got] == [("aten.mul.Tensor", "1")]
     from mldebug.watch import safe
     plan = safe.sequential_plan(model)
@@ -432,7 +435,7 @@ def test_an_output_whose_check_a_sequential_leaves_to_the_next_child_is_still_pi
     assert plan[id(model[0])] == 0                             # next is custom code
 
 
-def test_an_overflow_in_the_backward_of_plain_layers_is_caught_at_the_step():
+def test_an_overflow_in_the_backward_of_plain_layers_is_caught_at_the_step(device):
     """Sequential(Linear, Linear): no user code in the model, so its parameters'
     gradients are not summed after backward (they follow from the checked gradient of
     its output). An overflow in the second Linear's backward (1e39 in float32) is then
@@ -446,9 +449,10 @@ def test_an_overflow_in_the_backward_of_plain_layers_is_caught_at_the_step():
             model[0].bias.zero_()
             model[1].weight.fill_(1e38)
             model[1].bias.zero_()
+        model = model.to(device)
         return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
-    x = torch.ones(2, 4)
+    x = torch.ones(2, 4, device=device)
     model, opt = build()
     got, w = collect()
     with w:
@@ -466,3 +470,34 @@ def test_an_overflow_in_the_backward_of_plain_layers_is_caught_at_the_step():
     with w:
         (model(x).sum() * 10).backward()
     assert [(v.stage, v.created, v.kind) for v in got] == [("backward", True, "inf")]
+
+
+def test_a_mask_and_its_softmax_outside_modules_are_not_stops(device):
+    """-inf made from a constant, then carried by temporaries: on a device the window is
+    read after they are freed; what they held is taken to come from the judged mask."""
+    got, w = collect()
+    with w:
+        mask = torch.full((4, 4), float("-inf"), device=device).triu(1)
+        attn = torch.softmax(torch.randn(4, 4, device=device) + mask, dim=-1)
+        nn.Linear(4, 4).to(device)(attn)       # a module call: the window is read
+    assert got == [] and bool(attn.isfinite().all())
+
+
+def test_a_forward_stop_in_a_module_is_the_only_stop_of_the_steps_that_follow(device):
+    """The NaN made by a sqrt inside the model flows into the loss, the gradients, the
+    parameters and every later step: none of that is a new stop (the backward replay
+    would otherwise make the forward's stop again; on a device the loss ops outside
+    modules are read after their inputs are freed)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), RootFeature(), nn.Linear(8, 1))
+    model = model.to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    got, w = collect()
+    with w:
+        model[2].forward = lambda x: torch.sqrt(x - 10)   # negative: NaN
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(16, 4, device=device)).pow(2).mean().backward()
+            opt.step()
+    assert [(v.stage, v.op, v.module) for v in got] == [("forward", "aten.sqrt.default", "2")]
+    assert bool(model[0].weight.isnan().all())

@@ -7,18 +7,21 @@ narrower types (float64 for float64): a tensor whose squares overflow float32
 gives a fixed random sample for its histogram (and per-sample L2 norms for gradients).
 
 CPU tensors up to BATCH values: copied when seen (one op), reduced all together when the
-step is staged (`cpubatch.py`: for them per-op overhead, not arithmetic, is the cost).
+step is staged (`tensorbatch.py`: for them per-op overhead, not arithmetic, is the cost).
 Larger CPU tensors: reduced when seen (the values may change in place later) with few
 passes; a copy would be one more pass over memory, for little overhead saved. Reading a
 CPU scalar costs nothing, so the non-finite counts (and stats of the finite values) are
 computed only for tensors whose sum is not finite.
 
-Other devices: reduced when seen, the results stay 0-d tensors on the device and never
-read back before the step ends: the counts are always computed and the stats come from
-`nan_to_num(x, 0, 0, 0)` (exact over the finite values; min/max then include the zeros
-put in place of NaN/Inf). `StepBatch.stage()` stacks them (one op per device), and
-`finish_staged()` brings stats, samples and norms to the host with ONE transfer and bins
-every histogram there at once (numpy).
+Other devices (CUDA): tensors up to DEVICE_BATCH values, up to DEVICE_BUDGET a step, are
+batched the same way (a kernel launch costs ~10 us of CPU time: one copy instead of ~10
+reductions); their reductions are queued when the step is staged and read with the
+step's transfer. Larger ones are reduced when seen; the results stay 0-d tensors on the
+device and are never read back before the step ends: the counts are always computed and
+the stats come from `nan_to_num(x, 0, 0, 0)` (exact over the finite values; min/max then
+include the zeros put in place of NaN/Inf). `StepBatch.stage()` stacks them (one op per
+device), and `finish_staged()` brings stats, samples and norms to the host with ONE
+transfer and bins every histogram there at once (numpy).
 """
 from __future__ import annotations
 
@@ -28,12 +31,14 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .cpubatch import BlockPool, CpuBatch, per_sample_norms, sample_index
+from .tensorbatch import BlockPool, TensorBatch, per_sample_norms, sample_index
 
 ROW = ("numel", "sum", "abs_sum", "sumsq", "min", "max", "nan", "posinf", "neginf")
 _NROW = len(ROW)
 _ACC = {torch.float64: torch.float64}
 BATCH = 1 << 15                # CPU tensors up to this many elements: copied, reduced later
+DEVICE_BATCH = 1 << 22         # the same on other devices (a copy costs little there)...
+DEVICE_BUDGET = 1 << 25        # ...up to this many values a step (128 MiB of float32)
 
 
 def flat_of(t: torch.Tensor) -> torch.Tensor:
@@ -90,7 +95,10 @@ class StepBatch:
                                     # None (in self.cpu)
         self.samples: list = []     # per row: sample tensor (or None)
         self.norms: list = []       # (row index, per-sample norm tensor)
-        self.cpu = CpuBatch(pool if pool is not None else BlockPool())
+        self.pool = pool if pool is not None else BlockPool()
+        self.cpu = TensorBatch(self.pool)
+        self.on_device: dict = {}   # device -> TensorBatch
+        self.device_numel = 0
 
     def __len__(self):
         return len(self.rows)
@@ -103,10 +111,20 @@ class StepBatch:
         flat = flat_of(t)
         acc = _ACC.get(flat.dtype, torch.float32)
         n = flat.numel()
-        if 0 < n <= BATCH and flat.device.type == "cpu":
+        dev = flat.device
+        if dev.type == "cpu":
+            batch = self.cpu if 0 < n <= BATCH else None
+        elif 0 < n <= DEVICE_BATCH and self.device_numel + n <= DEVICE_BUDGET:
+            batch = self.on_device.get(dev)
+            if batch is None:
+                batch = self.on_device[dev] = TensorBatch(self.pool, dev)
+            self.device_numel += n
+        else:
+            batch = None
+        if batch is not None:
             self.rows.append(None)
             self.samples.append(None)
-            self.cpu.add(i, flat, acc, t.shape if batch_dim is not None else None, batch_dim)
+            batch.add(i, flat, acc, t.shape if batch_dim is not None else None, batch_dim)
             return i
         norms = None
         if batch_dim is not None and t.dim() > 0:
@@ -149,6 +167,10 @@ class StepBatch:
             norms_by_device.setdefault(v.device, []).append((r, v))
         for dev in norms_by_device:
             by_device.setdefault(dev, [])
+        # the device batches' reductions, queued before each device's event
+        batches = {dev: b.stage(self.sample_size) for dev, b in self.on_device.items() if b}
+        for dev in batches:
+            by_device.setdefault(dev, [])
         staged = []
         for dev, index in by_device.items():
             cells, where = [], []
@@ -173,7 +195,8 @@ class StepBatch:
                 "samples": torch.cat([v for _, v in samp]) if samp else None,
                 "sample_rows": [(i, v.numel()) for i, v in samp],
                 "norms": torch.cat([v for _, v in nrm]) if nrm else None,
-                "norm_rows": [(r, v.numel()) for r, v in nrm]})
+                "norm_rows": [(r, v.numel()) for r, v in nrm],
+                "batch": batches.get(dev)})
             if dev.type == "cuda":   # the writer thread waits for the main thread's stream
                 staged[-1]["event"] = torch.cuda.Event()
                 staged[-1]["event"].record(torch.cuda.current_stream(dev))
@@ -183,7 +206,8 @@ class StepBatch:
             # second OpenMP team, spinning against this thread's on a small machine
             self.cpu.reduce(fixed, *cpu, self.sample_size)
         self.rows, self.samples, self.norms = [], [], []
-        self.cpu = CpuBatch(self.cpu.pool)
+        self.cpu = TensorBatch(self.pool)
+        self.on_device, self.device_numel = {}, 0
         return k, fixed, staged, cpu
 
     def finish(self) -> dict:
@@ -201,14 +225,26 @@ class StepBatch:
         norms = dict(cpu[1])
         for d in parts_by_device:
             parts = [p for p in (d["cells"], d["samples"], d["norms"]) if p is not None]
-            if not parts:
+            batch = d.get("batch")
+            extra = batch.tensors if batch is not None else []
+            if not parts and not extra:
                 continue
-            if parts[0].device.type == "cpu":
+            if (parts or extra)[0].device.type == "cpu":
                 host = np.concatenate([p.numpy().astype(np.float64).reshape(-1) for p in parts])
             else:
                 if d.get("event") is not None:
                     d["event"].synchronize()
-                host = torch.cat([p.double().reshape(-1) for p in parts]).cpu().numpy()
+                host = torch.cat([p.double().reshape(-1) for p in parts + extra]).cpu().numpy()
+            if extra:      # the device batch's part of the transfer, at its end
+                o = host.size - sum(x.numel() for x in extra)
+                arrays = []
+                for x in extra:
+                    arrays.append(host[o:o + x.numel()])
+                    o += x.numel()
+                got: dict = {}
+                batch.finish(arrays, stats, got, norms)
+                for i, v in got.items():
+                    host_samples[i] = v
             o = 0
             if d["cells"] is not None:
                 n = d["cells"].numel()

@@ -31,6 +31,8 @@ from .. import autograd_patch as _autograd_patch
 from .. import frames as _frames
 from ..errors import NonFiniteError, UsageError
 from . import safe as _safe
+from . import tiered as _tiered
+from .amp import SCALER_OPS, LossScaling
 from . import tiers as _tiers
 from .checks import (_ALLOWED, _F32, _LOW, _SUM_DTYPE, _caller, _checkable, _counts,
                      _floating, _getframe, _grad_enabled, _isfinite, _summary)
@@ -53,6 +55,14 @@ _OP_INFOS: dict = {}       # id(overload) -> OpInfo, for every watch (info.func 
 _ACTIVE = None             # the running Watch
 _DYNAMO_MARKED = False     # code objects marked for dynamo to skip
 _IN_CHILD = False          # set in forked children (DataLoader workers): do nothing
+_HOST_READS = True         # CPU outputs read at once; False: as a device's (tests)
+
+
+def simulate_device(on: bool) -> None:
+    """Tests: treat CPU tensors as a device's (sums kept, read once per window, replays
+    and dry runs read op by op), so that a machine without a GPU runs the device paths."""
+    global _HOST_READS
+    _HOST_READS = _tiered._HOST_READS = _tiers._HOST_READS = not on
 
 
 _Sequential = torch.nn.Sequential
@@ -148,7 +158,7 @@ class _Mode(TorchDispatchMode):
                 return out                # integer, bool, complex: not checked
             if not _checkable(out):
                 return out                # fake/meta/nested/mkldnn/subclass: no data to read
-            if out.is_cpu:
+            if out.is_cpu and _HOST_READS:
                 s = out.sum() if sum_dtype is None else out.sum(dtype=sum_dtype)
                 if not _isfinite(s.item()):
                     w._slow(func, info, args, kwargs, (out,), None)
@@ -228,6 +238,7 @@ class Watch(TieredChecks):
         self._opt_stop_step = None  # optimizer step of the last optimizer-stage stop
         self._taint: dict = {}      # storage ptr -> (weakref, version, has_nan, has_inf)
         self._compile_warned = False
+        self._amp = LossScaling()   # GradScaler's scaled losses (amp.py)
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> "Watch":
@@ -251,8 +262,9 @@ class Watch(TieredChecks):
                 _optim_hooks.register_optimizer_step_pre_hook(self._optimizer_pre),
                 _optim_hooks.register_optimizer_step_post_hook(self._optimizer_post),
             ]
-            if not self.exact:
-                _autograd_patch.add(self._around_backward)
+            # (exact mode too: stops found on autograd's device threads pause after it)
+            _autograd_patch.add(self._around_backward)
+            self._amp.start()
         except BaseException:
             self._close_mode()
             raise
@@ -273,8 +285,8 @@ class Watch(TieredChecks):
         if not self._started:
             return
         try:
-            if _flush and self._win and not _IN_CHILD:
-                self._flush_window()
+            if _flush and not _IN_CHILD:
+                self.flush()
         finally:
             self._started = False
             self._skip = True
@@ -282,6 +294,7 @@ class Watch(TieredChecks):
                 handle.remove()
             self._handles = []
             _autograd_patch.remove(self._around_backward)
+            self._amp.stop()
             self._close_mode()
             self._t = TierState()
             self._open = self._t.open
@@ -292,6 +305,17 @@ class Watch(TieredChecks):
             self._opt_depth = 0
             if _ACTIVE is self:
                 _ACTIVE = None
+
+    def flush(self) -> None:
+        """Judge now what is still pending: the device window, and stops found on
+        autograd's device threads (they pause on this thread). The CLI calls it when the
+        program ends; `close()` does too."""
+        if not self._started or _get_ident() != self._owner:
+            return
+        if self._win:
+            self._flush_window()
+        if self._stash:
+            self._deliver_stash()
 
     def _close_mode(self):
         mode, self._mode = self._mode, None
@@ -503,7 +527,7 @@ class Watch(TieredChecks):
             for t in items:
                 if isinstance(t, Tensor) and _SUM_DTYPE.get(t.dtype, 0) != 0 \
                         and _checkable(t):
-                    (cpu if t.is_cpu else device).append(t)
+                    (cpu if t.is_cpu and _HOST_READS else device).append(t)
         if device:
             self._window_add(func, info, args, kwargs, tuple(outs), device)
         if not cpu:
@@ -527,11 +551,13 @@ class Watch(TieredChecks):
             return "backward"
         return "optimizer" if self._opt_depth else "forward"
 
-    def _slow(self, func, info, args, kwargs, outs, entry, note=""):
+    def _slow(self, func, info, args, kwargs, outs, entry, note="", freed=None, dtype=None):
         """An output's check failed: count exactly, apply the rule, report a stop.
 
         `entry` is a device-window entry (stage, node name, provenance, module record,
-        location) when the op ran earlier; None when it is running now.
+        location) when the op ran earlier; None when it is running now. `freed`: an
+        input is gone, and what it is taken to have held (has NaN, has Inf, descends
+        from a stop). `dtype`: that of the output, when it is gone (judged by its sum).
         """
         if entry is None:
             node = _current_node()
@@ -555,7 +581,7 @@ class Watch(TieredChecks):
         reported = None
         for t, list_index, counts in bad:
             v = self._judge(info, args, kwargs, t, list_index, counts, stage, node_name,
-                            node_prov, record, frame, here)
+                            node_prov, record, frame, here, freed, dtype)
             if v is not None and note:
                 v.text = f"{v.text}; {note}" if v.text else note
             if v is not None and reported is None:
@@ -646,7 +672,7 @@ class Watch(TieredChecks):
         return has_nan, has_inf, lineage
 
     def _judge(self, info, args, kwargs, bad, list_index, counts, stage, node_name, node_prov,
-               record, frame, here):
+               record, frame, here, freed=None, dtype=None):
         """Apply the stop rule to one non-finite output; return a Violation or None."""
         nan, posinf, neginf = counts
         out_nan = nan > 0
@@ -685,6 +711,9 @@ class Watch(TieredChecks):
                              value == value, False, False))
             else:
                 rows.append((label, value, False, False, True, False))
+        if freed is not None:
+            rows.append(("an input freed before the window was read", None, *freed[:2],
+                         True, freed[2]))
 
         any_nan = any(r[2] for r in rows)
         nonfinite = [r for r in rows if r[2] or r[3]]
@@ -722,6 +751,11 @@ class Watch(TieredChecks):
                     culprit = unknown[0][0]
         if stop and stage == "optimizer" and self._opt_stop_step == self._steps:
             stop = False   # one stop per optimizer step: the other parameters follow
+        if stop and (info.name.startswith(SCALER_OPS) or (
+                stage == "backward" and self._amp.excuses(dtype or bad.dtype))):
+            stop = False   # a loss scaler's overflow: GradScaler skips this step
+        if stop and stage == "backward" and self._amp.note_for_stop():
+            text = f"{text}; {self._amp.note_for_stop()}" if text else self._amp.note_for_stop()
         # everything judged here is known from now on: propagation is not a new stop
         self._taint_add(bad, out_nan, posinf + neginf > 0, stop or lineage)
         for r in nonfinite:
@@ -822,6 +856,12 @@ class Watch(TieredChecks):
             flat = outs
         sums = [t.sum(dtype=_F32) for t in flat]
         total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+        if self._t.read_now:
+            # a re-run or the loss region's dry run is there to pin the op: read now (a
+            # sync per op, on these rare paths), while the op's inputs are alive to judge
+            if not _isfinite(total.item()):
+                self._slow(func, info, args, kwargs, outs, None)
+            return
         node = _current_node()
         if node is not None:
             stage, node_name = "backward", node.name()
@@ -840,8 +880,15 @@ class Watch(TieredChecks):
                     continue
                 f = f.f_back
             here = (f.f_code.co_filename, f.f_lineno, f.f_code.co_name) if f is not None else None
+        # inputs already judged non-finite, noted now: they may be freed by the time the
+        # window is read (a temporary), and then nothing says where their values came from
+        prior = None
+        if self._taint:
+            prior = [k for k in map(self._taint_get, _tiers.flat_tensors((args, kwargs)))
+                     if k is not None]
         self._win.append((total, func, info, _weak(args), _weak(kwargs) if kwargs else None,
-                          _weak(outs), (stage, node_name, node_prov, self._top, here)))
+                          _weak(outs), (stage, node_name, node_prov, self._top, here), prior,
+                          flat[0].dtype))
         if len(self._win) >= WINDOW_MAX:
             self._flush_window()
 
@@ -874,8 +921,9 @@ class Watch(TieredChecks):
             flagged = (~flags).nonzero().flatten().tolist()
         except Exception:                  # mixed devices: one read per entry
             flagged = [i for i, e in enumerate(win) if not _isfinite(float(e[0]))]
-        for i in flagged:
-            total, func, info, wargs, wkwargs, wouts, entry = win[i]
+        n0 = len(self.violations)
+        for k, i in enumerate(flagged):
+            total, func, info, wargs, wkwargs, wouts, entry, prior, dtype = win[i]
             args = _live(wargs)
             kwargs = _live(wkwargs) if wkwargs else {}
             outs = _live(wouts)
@@ -885,7 +933,19 @@ class Watch(TieredChecks):
                 # then those of the sum, and an overflowing sum cannot be told apart)
                 outs = (total,)
                 note = "the output was freed before the window was read: judged by its sum"
-            self._slow(func, info, args, kwargs, outs, entry, note)
+            else:
+                dtype = None
+            freed = None
+            if _any_dead(wargs) or _any_dead(wkwargs):
+                # an input freed since: what it held is known if it was judged before the
+                # op ran; else, after an earlier op of this window made a NaN/Inf, it is
+                # taken to hold that (a temporary between the two): not a new stop
+                if prior:
+                    freed = (any(p[0] for p in prior), any(p[1] for p in prior),
+                             any(p[2] for p in prior))
+                elif k:
+                    freed = (True, True, len(self.violations) > n0)
+            self._slow(func, info, args, kwargs, outs, entry, note, freed, dtype)
 
 
 def _weak(value):
@@ -898,6 +958,17 @@ def _weak(value):
     if isinstance(value, dict):
         return {k: _weak(v) for k, v in value.items()}
     return value
+
+
+def _any_dead(value) -> bool:
+    """Whether a tensor held by `_weak` is gone."""
+    if isinstance(value, weakref.ref):
+        return value() is None
+    if isinstance(value, (list, tuple)):
+        return any(_any_dead(x) for x in value)
+    if isinstance(value, dict):
+        return any(_any_dead(x) for x in value.values())
+    return False
 
 
 def _live(value):

@@ -43,12 +43,15 @@ MAX_LOSS_NODES = 64    # a bigger region outside the model gets the dry run
 def _loss_region(roots, boundary):
     """The autograd nodes from ROOTS down to (not into) the BOUNDARY ids, each once."""
     stack = [r.grad_fn for r in roots]
-    seen = set()
+    # id -> node: the Python object of an autograd node lives only while referenced, and
+    # a later node's object may take the address of a dropped one (seen on CUDA: a node
+    # of the region was skipped as if seen)
+    seen: dict = {}
     while stack:
         node = stack.pop()
         if node is None or id(node) in boundary or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         yield node
         stack.extend(fn for fn, _ in node.next_functions)
 

@@ -21,6 +21,7 @@ from .ops import matches
 from .tiers import RootCall, flat_tensors
 
 _get_ident = threading.get_ident
+_HOST_READS = True      # False while tests run the device paths on the CPU
 
 
 class TieredChecks:
@@ -133,7 +134,7 @@ class TieredChecks:
                     node.register_prehook(sentinels[-1])
             if code & _safe.NO_FORWARD_CHECK:
                 continue            # the next child in its Sequential shows it
-            if d.is_cpu:
+            if d.is_cpu and _HOST_READS:
                 s = d.sum() if sum_dtype is None else d.sum(dtype=sum_dtype)
                 if not _isfinite(s.item()) and t.flag is None:
                     self._sentinel_flag(out, record)
@@ -226,6 +227,7 @@ class TieredChecks:
         if kwargs is None:
             kwargs = _tiers.call_kwargs(_caller(1))
         call = RootCall(module, args, kwargs, rng, _tiers.autocast_state(), outs)
+        call.lineage = t.done
         if len(sentinels) == len(outs):
             call.sentinels = sentinels
         t.calls.append(call)
@@ -267,6 +269,7 @@ class TieredChecks:
         gradients of its outputs by position); '' or why it could not run."""
         t = self._t
         t.replaying += 1
+        t.read_now += 1
         prev_top = self._top
         reported = len(self.violations)
         try:
@@ -300,6 +303,7 @@ class TieredChecks:
         finally:
             self._top = prev_top
             t.replaying -= 1
+            t.read_now -= 1
             self._pending = []
 
     def _replay_forward(self, module, args, kwargs, rng, output, record, counts, key):
@@ -334,8 +338,20 @@ class TieredChecks:
                         self._taint_add(out, c[0] > 0, c[1] + c[2] > 0, lineage)
 
     def _around_backward(self, proceed, tensors, grad_tensors, args, kwargs):
-        """`loss.backward()`: the loss region exactly (dry run), the model's backward
-        without the mode, then one check of the gradients; a bad one is replayed."""
+        """`loss.backward()`; then the stops found on autograd's device threads (CUDA
+        runs backward there) pause on this thread, at the user's `backward()` line."""
+        self._amp.begin([tensors] if isinstance(tensors, Tensor) else list(tensors))
+        try:
+            result = self._tiered_backward(proceed, tensors, grad_tensors, args, kwargs)
+        finally:
+            self._amp.end()
+        if self._stash and _get_ident() == self._owner:
+            self._deliver_stash()
+        return result
+
+    def _tiered_backward(self, proceed, tensors, grad_tensors, args, kwargs):
+        """The loss region exactly (dry run), the model's backward without the mode,
+        then one check of the gradients; a bad one is replayed."""
         t = self._t
         if (self._skip or self.exact or _get_ident() != self._owner or t.in_backward
                 or t.replaying or not t.calls):
@@ -360,6 +376,7 @@ class TieredChecks:
         n0 = len(self.violations)
         armed = self._arm_output_sentinels(roots, targets)
         if not armed:
+            t.read_now += 1
             try:
                 with _replay.replaying():
                     grads = torch.autograd.grad(roots, [o for _, _, o in targets],
@@ -369,6 +386,10 @@ class TieredChecks:
                 if isinstance(exc, NonFiniteError) or len(self.violations) > n0:
                     raise     # from a stop in the dry run: `q` at its prompt, action='raise'
                 return proceed(tensors, grad_tensors, *args, **kwargs)
+            finally:
+                t.read_now -= 1
+            if self._stash:   # a stop made on autograd's device thread: pause here, now
+                self._deliver_stash()
             for (call, pos, _), g in zip(targets, grads):
                 if g is not None:
                     call.grads[pos] = g
@@ -401,12 +422,14 @@ class TieredChecks:
         try:
             if t.loss_bflag is not None and not self._skip:
                 stopped = self._report_loss_region(roots, targets)
-            if (stopped or t.loss_bflag is not None) and suspect is not None:
-                # the loss's backward made them (a stop in the dry run, or the unchecked
-                # region's overflow): the bad gradients descend from that (the optimizer
-                # must not call them a new one), no replay of the model's backward
+            after_stop = stopped or any(call.lineage for call in calls)
+            if (after_stop or t.loss_bflag is not None) and suspect is not None:
+                # the forward or the loss's backward made them (a stop there, or the
+                # unchecked region's overflow): the bad gradients descend from that (the
+                # optimizer must not call them a new one), no replay of the model's
+                # backward (whose forward would make that stop again)
                 for p, c in suspect[0]:
-                    self._taint_add(p.grad, c[0] > 0, c[1] + c[2] > 0, stopped)
+                    self._taint_add(p.grad, c[0] > 0, c[1] + c[2] > 0, after_stop)
             elif suspect is not None and not self._skip:
                 self._pin_backward(calls, *suspect)
         finally:
@@ -450,6 +473,8 @@ class TieredChecks:
         """A model output's gradient came out of the unchecked loss region non-finite
         (an overflow): a stop at `loss.backward()` that names the region's nodes."""
         call, pos, counts = self._t.loss_bflag
+        if self._amp.excuses():
+            return False      # a loss scaler's overflow: GradScaler skips this step
         n0 = len(self.violations)
         nodes = _safe.loss_region_nodes(roots, boundary_of(targets))
         module, module_type = self._names.path((call.module, None))
@@ -535,6 +560,10 @@ class TieredChecks:
         kind = "nan" if nan else "inf"
         if kind not in self.break_on and not (kind == "inf" and "inf-all" in self.break_on):
             return
+        if stage == "backward" and self._amp.excuses():
+            return            # a loss scaler's overflow: GradScaler skips this step
+        if stage == "backward" and self._amp.note_for_stop():
+            reason = f"{reason}; {self._amp.note_for_stop()}" if reason else self._amp.note_for_stop()
         from ..session import Violation
         frame = _frames.user_frame(_caller(1))
         file, line, function = _frames.location(frame)
@@ -588,7 +617,7 @@ class _GradSentinel:
             return None
         if isinstance(grad, Tensor) \
                 and _SUM_DTYPE.get(grad.dtype, 0) != 0 and _checkable(grad):
-            if not grad.is_cpu:   # no sync here: read with the parameters' gradients
+            if not (grad.is_cpu and _HOST_READS):   # no sync here: read with the parameters' gradients
                 t.device_grad_sums.append((grad.detach().sum(dtype=_F32), self.record))
                 return None
             counts = _cpu_nonfinite_counts(grad)
@@ -601,7 +630,7 @@ class _GradSentinel:
         self.call.grads[self.pos] = grad
         if _SUM_DTYPE.get(grad.dtype, 0) == 0 or not _checkable(grad):
             return
-        if not grad.is_cpu:
+        if not (grad.is_cpu and _HOST_READS):
             t.device_loss_sums.append((grad.detach().sum(dtype=_F32), self.call, self.pos))
         elif t.loss_bflag is None:
             counts = _cpu_nonfinite_counts(grad)

@@ -71,6 +71,9 @@ MAX_PATTERNS = 256     # flagged patterns whose replay found no stop
 
 flat_tensors = tensors_in   # module outputs, in the order the replay matches them
 
+# False while tests run the device paths on the CPU (core.simulate_device)
+_HOST_READS = True
+
 
 def call_kwargs(start) -> dict:
     """The keyword arguments of the module call whose global hook is running: the
@@ -92,7 +95,7 @@ class RootCall:
     """An outermost module call whose output needs a gradient: what a replay needs."""
 
     __slots__ = ("module", "args", "kwargs", "cpu_rng", "cuda_rng", "autocast", "outs",
-                 "grads", "used", "sentinels", "__weakref__")
+                 "grads", "used", "sentinels", "lineage", "__weakref__")
 
     def __init__(self, module, args, kwargs, rng, autocast, outs):
         self.module = module
@@ -105,6 +108,7 @@ class RootCall:
         self.grads: dict = {}      # position -> gradient of that output (dry run)
         self.used: dict = {}       # position read by ops outside modules -> its edge
         self.sentinels: list = []  # position -> _GradSentinel on its autograd node, or None
+        self.lineage = False       # a stop was made in this call: its outputs descend
 
     def use(self, pos, tensor) -> None:
         if pos not in self.used:
@@ -177,6 +181,7 @@ class TierState:
     def __init__(self):
         self.popped = False          # the exact mode is off the stack (inside a call)
         self.replaying = 0
+        self.read_now = 0            # a re-run or a dry run: device outputs read op by op
         self.in_backward = 0
         self.flag = None             # (module record, counts): the call to replay
         self.done = False            # this outermost call had its stop: no more replays
@@ -260,17 +265,31 @@ def any_nonfinite_sum(tensors) -> bool:
     isfinite = math.isfinite
     for x in tensors:
         d = x.detach()
-        if d.is_cpu:
+        if d.is_cpu and _HOST_READS:
             s = d.sum() if d.dtype in _OWN_SUM else d.sum(dtype=_F32)
             if not isfinite(s.item()):
                 return True
         else:
-            by_device.setdefault(d.device, []).append(d.sum(dtype=_F32))
-    for sums in by_device.values():
-        total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
-        if not math.isfinite(total.item()):
+            by_device.setdefault(d.device, []).append(d)
+    for xs in by_device.values():
+        if not math.isfinite(device_total(xs).item()):
             return True
     return False
+
+
+def device_total(xs):
+    """Σ|x| over tensors of one device, as a 0-d float32 tensor (not read): NaN/Inf when
+    any holds one (or, rarely, when finite values overflow). On a GPU a sum per tensor
+    is a kernel launch each (~10 us of CPU time: most of the watch's cost on a
+    launch-bound model); `_foreach_norm` covers a list in a few fused launches."""
+    if len(xs) == 1:
+        return xs[0].sum(dtype=_F32)
+    if not xs[0].is_cpu:
+        try:
+            return torch.stack(torch._foreach_norm(xs, 1, dtype=_F32)).sum()
+        except (RuntimeError, TypeError):   # an older torch: one sum each
+            pass
+    return torch.stack([x.sum(dtype=_F32) for x in xs]).sum()
 
 
 def first_nonfinite_sum(sums):

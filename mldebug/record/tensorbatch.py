@@ -1,0 +1,316 @@
+"""The recorder's small tensors of one step: one copy when seen, every statistic at the
+end of the step, for all of them at once.
+
+On the CPU a tensor of a few thousand values costs more in per-op overhead (~4 µs an op:
+five reductions, a sample gather, a read-back each) than in arithmetic; on a GPU each op
+is a kernel launch (~10 µs of CPU time), and a step of a small model is launch-bound. So
+`add` does ONE op: it copies the tensor into a block (a [rows, CHUNK] matrix on the
+tensor's device, reused from step to step), starting on a fresh row. The step's end then
+runs a fixed handful of ops per block, whatever the number of tensors: the padding after
+each tensor zeroed (one scatter), per-row sum, Σx² (2-norm), min, max, |x| sum and the
+samples (one gather) in torch; per-tensor totals in float64 with `reduceat` over each
+tensor's rows, on the host. The min/max of a tensor's last, partly filled row are taken
+again without its padding. A tensor whose total is not finite is recomputed exactly from
+its copy.
+
+CPU blocks are reduced and read at once (`reduce`). Device blocks are reduced without a
+read (`stage`: kernels queued on the stream, after the copies); the recorder's writer
+thread then brings the per-row results to the host with the step's one transfer and
+finishes them (`DeviceStaged.finish`), and only then gives the blocks back.
+
+Accuracy: a row is summed by torch in the accumulation type (float32, or float64 for
+float64) over at most CHUNK values and rows are added in float64, so totals are at least
+as exact as torch's own `sum` of the whole tensor.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from typing import Optional
+
+import numpy as np
+import torch
+
+CHUNK = 1024                # columns of a block: a tensor starts on a fresh row
+_ROWS0 = 256                # the first block of a dtype: 1 MiB of float32
+_LAYOUTS: dict = {}         # (device, tensor rows and sizes, sample size) -> gather/scatter
+_LAYOUTS_MAX = 64           # indices (a step's layout repeats from step to step)
+
+
+class BlockPool:
+    """The recorder's blocks, between steps."""
+
+    def __init__(self):
+        self._free: list = []
+        self._lock = threading.Lock()
+        self.hint: dict = {}      # (device, dtype) -> most rows one step used so far
+
+    def take(self, dtype, rows: int, device=None) -> torch.Tensor:
+        """A block of at least ROWS rows, and at least what a step used so far."""
+        device = torch.device(device or "cpu")
+        rows = max(rows, self.hint.get((device, dtype), _ROWS0))
+        with self._lock:
+            for j, b in enumerate(self._free):
+                if b.dtype == dtype and b.device == device and b.shape[0] >= rows:
+                    return self._free.pop(j)
+        return torch.empty(rows, CHUNK, dtype=dtype, device=device)
+
+    def give(self, blocks: list) -> None:
+        with self._lock:
+            for b in blocks:    # smaller than a step now needs: let it go
+                if b.shape[0] >= self.hint.get((b.device, b.dtype), 0) and len(self._free) < 4:
+                    self._free.append(b)
+
+
+class TensorBatch:
+    """Copies of a step's tensors of one device; `reduce` (CPU) or `stage` (other
+    devices) fills their stats rows."""
+
+    def __init__(self, pool: BlockPool, device=None):
+        self.pool = pool
+        self.device = torch.device(device or "cpu")
+        self.blocks: list = []    # [block, dtype, rows used, block.view(-1)]
+        self.open: dict = {}      # dtype -> index in blocks being filled
+        self.segs: list = []      # (stats row, block index, first row, numel, shape, batch_dim)
+        self.numel = 0            # values copied so far
+
+    def __bool__(self):
+        return bool(self.segs)
+
+    def add(self, row: int, flat: torch.Tensor, dtype, shape=None,
+            batch_dim: Optional[int] = None) -> None:
+        """Copy FLAT (1-D, on this batch's device) now, as DTYPE; with BATCH_DIM its
+        per-sample norms too."""
+        n = flat.numel()
+        k = -(-n // CHUNK)
+        b = self.open.get(dtype)
+        if b is None or self.blocks[b][2] + k > self.blocks[b][0].shape[0]:
+            b = self.open[dtype] = len(self.blocks)
+            blk = self.pool.take(dtype, k, self.device)
+            self.blocks.append([blk, dtype, 0, blk.view(-1)])
+        blk = self.blocks[b]
+        r0 = blk[2]
+        blk[3].narrow(0, r0 * CHUNK, n).copy_(flat)
+        blk[2] = r0 + k
+        self.segs.append((row, b, r0, n, shape, batch_dim))
+        self.numel += n
+
+    def _note_use(self) -> None:
+        used: dict = {}
+        for _, dtype, rows, _ in self.blocks:   # how much a step takes
+            used[dtype] = used.get(dtype, 0) + rows
+        for dtype, rows in used.items():
+            key = (self.device, dtype)
+            self.pool.hint[key] = max(self.pool.hint.get(key, 0), rows)
+
+    def _per_block(self):
+        for b, (blk, _, rows, _) in enumerate(self.blocks):
+            segs = [s for s in self.segs if s[1] == b]
+            if segs:
+                yield blk[:rows], segs
+
+    def reduce(self, stats: np.ndarray, samples: dict, norms: dict, size: int) -> None:
+        """CPU: fill STATS rows (the `stats.ROW` columns), SAMPLES {row: float64 array of
+        SIZE values at the fixed positions} and NORMS {row: float32 per-sample norms};
+        then hand the blocks back to the pool."""
+        self._note_use()
+        try:
+            for v, segs in self._per_block():
+                _reduce_block(v, segs, stats, samples, norms, size)
+        finally:
+            self._give_back()
+
+    def stage(self, size: int) -> "DeviceStaged":
+        """Another device: queue every reduction (no read); the result's `tensors` go to
+        the host with the step's one transfer, then its `finish` fills the rows."""
+        self._note_use()
+        staged = DeviceStaged(self)
+        try:
+            for v, segs in self._per_block():
+                staged.add_block(v, segs, size)
+        except BaseException:
+            self._give_back()
+            raise
+        return staged
+
+    def _give_back(self) -> None:
+        self.pool.give([blk[0] for blk in self.blocks])
+        self.blocks, self.segs, self.open = [], [], {}
+
+
+def _combine(segs, sums, absum, sq, lo, hi, stats) -> np.ndarray:
+    """Per-row results (host, float64) -> the stats rows of the tensors; returns their
+    totals (sums), whose non-finite ones the caller recounts exactly."""
+    rows = np.array([s[0] for s in segs], np.int64)
+    n = np.array([s[3] for s in segs], np.int64)
+    r0 = np.array([s[2] for s in segs], np.int64)
+    total = np.add.reduceat(sums, r0)
+    with np.errstate(invalid="ignore"):
+        stats[rows] = np.stack([n, total, np.add.reduceat(absum, r0),
+                                np.add.reduceat(sq * sq, r0), np.minimum.reduceat(lo, r0),
+                                np.maximum.reduceat(hi, r0), *np.zeros((3, len(n)))], 1)
+    return total
+
+
+def _reduce_block(v, segs, stats, samples, norms, size) -> None:
+    flat = v.view(-1)
+    gather, pad, last, valid, _ = _layout(segs, size, v.device)
+    flat.index_fill_(0, pad, 0.0)        # sums and |x| sums count the padding as 0
+    per_row = torch.stack([v.sum(1), torch.linalg.vector_norm(v, dim=1), v.amin(1),
+                           v.amax(1)]).double().numpy()
+    tails = v.index_select(0, last).double().numpy() if len(valid) else None
+    picked = flat.index_select(0, gather).double().numpy() if size else None
+    for s in segs:
+        if s[5] is not None and len(s[4]):
+            seg = flat.narrow(0, s[2] * CHUNK, s[3]).view(s[4])
+            norms[s[0]] = per_sample_norms(seg, s[5]).numpy().copy()
+    sums, sq, lo, hi = per_row
+    if tails is not None:   # min and max of the last rows without their padding
+        lo[last.numpy()] = np.where(valid, tails, np.inf).min(1)
+        hi[last.numpy()] = np.where(valid, tails, -np.inf).max(1)
+    # NaN/Inf inside (or an overflow): exact counts and stats of the finite values,
+    # taken before `abs_` overwrites the copy
+    r0 = [s[2] for s in segs]
+    total = np.add.reduceat(sums, r0)
+    exact = {j: _nonfinite_row(flat.narrow(0, segs[j][2] * CHUNK, segs[j][3]))
+             for j in np.flatnonzero(~np.isfinite(total))}
+    absum = v.abs_().sum(1).double().numpy()      # in place: the copy is ours
+    _combine(segs, sums, absum, sq, lo, hi, stats)
+    for j, row in exact.items():
+        stats[segs[j][0]] = row
+    if picked is not None:
+        _split_samples(segs, picked, size, samples)
+
+
+def _split_samples(segs, picked, size, samples) -> None:
+    o = 0
+    for s in segs:
+        m = min(s[3], size)
+        samples[s[0]] = picked[o:o + m]
+        o += m
+
+
+class DeviceStaged:
+    """A device batch whose reductions are queued: `tensors` (to bring to the host in
+    one transfer, in this order), then `finish` with their host arrays."""
+
+    def __init__(self, batch: TensorBatch):
+        self.batch = batch
+        self.tensors: list = []
+        self.blocks: list = []    # (view, segs, size, has tails, picked, norm rows)
+
+    def add_block(self, v, segs, size) -> None:
+        flat = v.view(-1)
+        gather, pad, last, _, pad_mask = _layout(segs, size, v.device)
+        flat.index_fill_(0, pad, 0.0)
+        self.tensors.append(torch.stack([
+            v.sum(1), torch.linalg.vector_norm(v, dim=1), v.amin(1), v.amax(1),
+            torch.linalg.vector_norm(v, 1, dim=1)]))   # |x| sums: the copy stays intact
+        tails = len(last) > 0
+        if tails:          # min and max of the last rows without their padding
+            t = v.index_select(0, last)
+            self.tensors.append(torch.stack([t.masked_fill(pad_mask, math.inf).amin(1),
+                                             t.masked_fill(pad_mask, -math.inf).amax(1)]))
+        if size:
+            self.tensors.append(flat.index_select(0, gather))
+        norm_rows = []
+        for s in segs:
+            if s[5] is not None and len(s[4]):
+                seg = flat.narrow(0, s[2] * CHUNK, s[3]).view(s[4])
+                self.tensors.append(per_sample_norms(seg, s[5]))
+                norm_rows.append(s[0])
+        self.blocks.append((v, segs, size, tails, size > 0, norm_rows))
+
+    def finish(self, host: list, stats: np.ndarray, samples: dict, norms: dict) -> None:
+        """HOST: `tensors` as float64 numpy arrays (flat, same order). On the writer
+        thread, after the transfer; gives the blocks back."""
+        try:
+            k = 0
+            for v, segs, size, tails, picked, norm_rows in self.blocks:
+                sums, sq, lo, hi, absum = host[k].reshape(5, -1)
+                k += 1
+                if tails:
+                    lo_t, hi_t = host[k].reshape(2, -1)
+                    k += 1
+                    idx = [(s[2] * CHUNK + s[3]) // CHUNK for s in segs if s[3] % CHUNK]
+                    lo[idx], hi[idx] = lo_t, hi_t
+                total = _combine(segs, sums, absum, sq, lo, hi, stats)
+                if picked:
+                    _split_samples(segs, host[k], size, samples)
+                    k += 1
+                for row in norm_rows:
+                    norms[row] = host[k].astype(np.float32)
+                    k += 1
+                flat = v.view(-1)
+                for j in np.flatnonzero(~np.isfinite(total)):   # rare: read that copy
+                    s = segs[j]
+                    stats[s[0]] = _nonfinite_row(flat.narrow(0, s[2] * CHUNK, s[3]).cpu())
+        finally:
+            self.batch._give_back()
+
+
+def _layout(segs: list, size: int, device) -> tuple:
+    """For a block's tensors (cached per layout, on DEVICE): the flat positions of every
+    sample, of the padding, the partly filled last rows, their [rows, CHUNK] mask of
+    values (numpy) and of padding (a bool tensor on DEVICE, for masked_fill)."""
+    key = (device, tuple((s[2], s[3]) for s in segs), size)
+    got = _LAYOUTS.get(key)
+    if got is None:
+        gather = [torch.arange(n) + r0 * CHUNK if n <= size
+                  else sample_index(n, size, "cpu") + r0 * CHUNK for r0, n in key[1]]
+        ends = [(r0 * CHUNK + n, n % CHUNK) for r0, n in key[1] if n % CHUNK]
+        pad = [torch.arange(e, e + CHUNK - t) for e, t in ends]
+        valid = np.arange(CHUNK) < np.array([t for _, t in ends], np.int64)[:, None]
+        got = tuple(x.to(device) for x in (   # (once per layout: a copy to the device)
+            torch.cat(gather) if gather else torch.zeros(0, dtype=torch.long),
+            torch.cat(pad) if pad else torch.zeros(0, dtype=torch.long),
+            torch.tensor([e // CHUNK for e, _ in ends], dtype=torch.long)))
+        got += (valid, torch.from_numpy(~valid).to(device))
+        if len(_LAYOUTS) >= _LAYOUTS_MAX:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = got
+    return got
+
+
+def _nonfinite_row(x: torch.Tensor) -> list:
+    """[finite count, sum, |x| sum, Σx², min, max of the finite values, nan, +inf, -inf]."""
+    a = x.double().numpy()
+    fin = a[np.isfinite(a)]
+    body = ([fin.sum(), np.abs(fin).sum(), np.dot(fin, fin), fin.min(), fin.max()]
+            if len(fin) else [0.0, 0.0, 0.0, math.nan, math.nan])
+    return [len(fin), *body, int(np.isnan(a).sum()), int((a == np.inf).sum()),
+            int((a == -np.inf).sum())]
+
+
+def per_sample_norms(t: torch.Tensor, batch_dim: int = 0) -> Optional[torch.Tensor]:
+    """‖t[i]‖₂ for each sample i along BATCH_DIM (float32), None for 0-d tensors."""
+    if t.dim() == 0:
+        return None
+    x = t.detach()
+    if batch_dim:
+        x = x.movedim(batch_dim, 0)
+    if x.shape[0] == 0:         # no samples (reshape(0, -1) would be ambiguous)
+        return torch.zeros(0, dtype=torch.float32, device=x.device)
+    x = x.reshape(x.shape[0], -1)
+    return torch.linalg.vector_norm(x.float() if x.dtype not in (torch.float32, torch.float64)
+                                    else x, dim=1).float()
+
+
+_IDX_CACHE: dict = {}          # (numel, sample, device) -> sorted random indices
+_IDX_CACHE_MAX = 512
+_GEN: dict = {}                # device -> private torch.Generator (never the global RNG)
+
+
+def sample_index(n: int, size: int, device) -> torch.Tensor:
+    """SIZE sorted random positions among N, the same for every step (a private RNG)."""
+    key = (n, size, device)
+    idx = _IDX_CACHE.get(key)
+    if idx is None:
+        gen = _GEN.get("cpu")
+        if gen is None:
+            gen = _GEN["cpu"] = torch.Generator().manual_seed(0x5EED)
+        idx = torch.randint(n, (size,), generator=gen).sort().values.to(device)
+        if len(_IDX_CACHE) >= _IDX_CACHE_MAX:
+            _IDX_CACHE.clear()
+        _IDX_CACHE[key] = idx
+    return idx

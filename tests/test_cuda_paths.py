@@ -1,0 +1,230 @@
+"""The device paths, on a real GPU: the summary's one-transfer reduction, the view's
+slices, the recorder's one read per step and the watched CLI on a CUDA program.
+
+Every test here needs CUDA and is skipped without it (CI has no GPU); they were run on a
+lent H100. The watch's and the recorder's own tests also take the `device` fixture.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import mldebug
+from mldebug import slicing
+from mldebug.record import open_run
+from mldebug.summary import summary
+
+from conftest import clean_env, marker_line, needs_cuda, read_report, run_cli
+
+pytestmark = needs_cuda
+
+
+def _with_bad_values(n=1 << 21):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    x[n // 17] = float("nan")
+    x[n // 10] = float("inf")
+    x[-1] = float("-inf")
+    return x
+
+
+ZOO = [
+    lambda: torch.randn(3, 4, generator=torch.Generator().manual_seed(1)),
+    _with_bad_values,                                       # pieces, first NaN/Inf index
+    lambda: _with_bad_values(5000).half(),
+    lambda: _with_bad_values(5000).bfloat16(),
+    lambda: torch.arange(-5, 15),
+    lambda: torch.tensor([True, False, True]),
+    lambda: torch.tensor([3 + 4j, 1j, float("nan")]),
+    lambda: torch.full((1000,), 3e38),                      # Σx² overflows in float32
+    lambda: torch.tensor(2.5),
+    lambda: torch.empty(0, 3),
+]
+
+
+@pytest.mark.parametrize("make", ZOO)
+def test_a_cuda_tensors_summary_is_the_host_summary(make):
+    host = make()
+    dev = summary(host.cuda()).to_dict()
+    ref = summary(host).to_dict()
+    assert dev.pop("device") == "cuda:0" and ref.pop("device") == "cpu"
+    assert dev.keys() == ref.keys()
+    for key, want in ref.items():
+        got = dev[key]
+        if isinstance(want, float) and not math.isnan(want):
+            assert got == pytest.approx(want, rel=1e-5, abs=1e-6), key
+        else:
+            assert got == want or (got != got and want != want), key
+
+
+def test_a_cuda_slice_is_the_host_slice():
+    host = _with_bad_values(1 << 20).reshape(2, 512, 1024)
+    a = slicing.slice_plane(host.cuda(), "x", index=[1, 0, 0], max_side=256)
+    b = slicing.slice_plane(host, "x", index=[1, 0, 0], max_side=256)
+    np.testing.assert_array_equal(a["kinds"], b["kinds"])
+    np.testing.assert_allclose(a["shown"], b["shown"], rtol=1e-6, equal_nan=True)
+    assert a["hist"]["counts"] == b["hist"]["counts"]
+    assert (a["min"], a["max"]) == pytest.approx((b["min"], b["max"]))
+
+
+def _syncs_by_thread(body):
+    """The synchronizing CUDA calls BODY makes, as (thread id, message): torch warns
+    in the thread that made the call."""
+    import threading
+    seen = []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = lambda message, *a, **k: seen.append(
+                (threading.get_ident(), str(message)))
+            body()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return [(ident, m) for ident, m in seen if "synchroniz" in m]
+
+
+def test_a_recorded_cuda_step_reads_back_once_not_per_tensor(tmp_path):
+    """The statistics of a step's ~40 tensors stay on the GPU until the step ends; the
+    main thread never waits for them: the writer thread reads them, once a step."""
+    import threading
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)],
+                          nn.Linear(64, 10)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(32, 64, device="cuda")
+    y = torch.randint(0, 10, (32,), device="cuda")
+
+    def step():
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    with mldebug.record(model, run_dir=tmp_path, run="gpu") as rec:
+        step()
+        syncs = _syncs_by_thread(lambda: [step() for _ in range(3)])
+    main = threading.get_ident()
+    assert [m for ident, m in syncs if ident == main] == []
+    with open_run(rec.path) as run:
+        assert run.steps() == [0, 1, 2, 3]
+        row = run.stats("4.weight:param_grad", steps=[3])[0]
+        assert row["numel"] == 640 and row["nan"] == 0 and row["abs_max"] > 0
+
+
+NAN_ON_CUDA = """
+    import torch
+    from torch import nn
+
+    class Head(nn.Module):
+        def forward(self, x):
+            return torch.sqrt(x - 10)  # here
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), Head(), nn.Linear(8, 1)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        loss = model(torch.randn(16, 4, device="cuda")).pow(2).mean()
+        loss.backward()
+        opt.step()
+    print("finished")
+"""
+
+
+def test_the_cli_pins_a_nan_made_on_the_gpu_at_its_line(write_program, tmp_path):
+    prog = write_program(NAN_ON_CUDA)
+    report = tmp_path / "r.jsonl"
+    result = run_cli(["--batch", "--report", str(report), str(prog)])
+    assert result.returncode == 3, result.stderr
+    first = read_report(report)[0]
+    assert (first["stage"], first["op"], first["module"], first["line"]) == (
+        "forward", "aten.sqrt.default", "2", marker_line(prog))
+
+
+TRAIN_ON_CUDA = """
+    import sys
+    import torch
+    from torch import nn
+
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Flatten(), nn.Dropout(0.1), nn.Linear(8 * 8 * 8, 10)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mask = torch.full((4, 4), float("-inf"), device="cuda").triu(1)
+    for step in range(5):
+        x = torch.randn(16, 3, 8, 8, device="cuda")
+        y = torch.randint(0, 10, (16,), device="cuda")
+        opt.zero_grad()
+        attn = torch.softmax(torch.randn(4, 4, device="cuda") + mask, dim=-1)
+        loss = nn.functional.cross_entropy(model(x), y) + attn.sum() * 0
+        loss.backward()
+        opt.step()
+    torch.save({"state": model.state_dict(), "rng": torch.cuda.get_rng_state()}, sys.argv[1])
+    print("trained", loss.item())
+"""
+
+
+def test_a_watched_cuda_training_is_bitwise_the_plain_one(write_program, tmp_path):
+    import subprocess
+    import sys
+    prog = write_program(TRAIN_ON_CUDA)
+    env = clean_env(CUBLAS_WORKSPACE_CONFIG=":4096:8")
+    plain = subprocess.run([sys.executable, str(prog), str(tmp_path / "plain.pt")],
+                           capture_output=True, text=True, env=env)
+    assert plain.returncode == 0, plain.stderr
+    for mode in ("tiers", "exact"):
+        out = tmp_path / f"{mode}.pt"
+        args = ["--batch"] + (["--watch", "exact"] if mode == "exact" else [])
+        watched = run_cli(args + [str(prog), str(out)], env=env)
+        assert watched.returncode == 0, watched.stderr
+        assert watched.stdout == plain.stdout
+        a, b = torch.load(tmp_path / "plain.pt"), torch.load(out)
+        assert torch.equal(a["rng"], b["rng"])
+        for name, tensor in a["state"].items():
+            assert torch.equal(tensor, b["state"][name]), (mode, name)
+
+
+BLOWUP_ON_CUDA = """
+    import torch
+    from torch import nn
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.lin(x).exp()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), Head()).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.001)
+    x = torch.randn(32, 4, device="cuda")
+    for step in range(40):
+        opt.zero_grad()
+        loss = model(x).mean()
+        loss.backward()
+        with torch.no_grad():
+            model[2].lin.weight.mul_(3.0)   # planted: the head's weight blows up
+        opt.step()
+    print("finished")
+"""
+
+
+def test_at_a_cuda_stop_the_prompt_inspects_and_shows_the_history(write_program):
+    """The stop, `inspect` of a CUDA tensor in the re-run's frame and `history` (the
+    recorder's device path), as a user at the prompt would see them."""
+    prog = write_program(BLOWUP_ON_CUDA)
+    result = run_cli(["--plain", "--break-on", "nan,inf", str(prog)],
+                     stdin="inspect x\nhistory\nq\n")
+    out = result.stdout
+    assert "+Inf from aten.exp.default" in out and "in module 2 (Head)" in out, out
+    assert "tensor[32, 8] f32" in out and "cuda:0" in out
+    assert "history of 2: steps 0.." in out and "‖2.lin.weight‖" in out
+    assert "finished" not in out
