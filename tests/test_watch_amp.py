@@ -73,3 +73,16 @@ def test_a_nan_in_the_forward_under_autocast_is_still_a_stop(device, exact):
     model = nn.Sequential(nn.Linear(8, 4), LogHead())
     _, got, _ = train(device, 2, 2.0 ** 16, model=model, exact=exact)
     assert [(g.stage, g.op) for g in got][:1] == [("forward", "aten.log.default")]
+
+
+def test_a_disabled_scaler_excuses_nothing(device, exact):
+    """GradScaler(enabled=use_amp) with use_amp False: nothing checks the gradients, so
+    an infinite one is a stop as without a scaler."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), RootAtZero(), nn.Linear(16, 4)).to(device)
+    scaler = torch.amp.GradScaler(device, enabled=False)
+    got = []
+    with watch(on_violation=got.append, exact=exact):
+        loss = model(torch.randn(4, 8, device=device)).sum()
+        scaler.scale(loss).backward()
+    assert [v.stage for v in got] == ["backward"] and got[0].torch_op == "torch.sqrt"

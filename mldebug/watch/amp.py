@@ -34,8 +34,9 @@ _TRACKERS: list = []      # the running watch's tracker (at most one)
 
 def _scale(self, outputs):
     scaled = _ORIG_SCALE(self, outputs)
-    for tracker in _TRACKERS:
-        tracker.note(scaled)
+    if getattr(self, "_enabled", True):   # GradScaler(enabled=False) checks nothing
+        for tracker in _TRACKERS:
+            tracker.note(scaled)
     return scaled
 
 

@@ -754,8 +754,9 @@ class Watch(TieredChecks):
         if stop and (info.name.startswith(SCALER_OPS) or (
                 stage == "backward" and self._amp.excuses(dtype or bad.dtype))):
             stop = False   # a loss scaler's overflow: GradScaler skips this step
-        if stop and stage == "backward" and self._amp.note_for_stop():
-            text = f"{text}; {self._amp.note_for_stop()}" if text else self._amp.note_for_stop()
+        why = self._amp.note_for_stop() if stop and stage == "backward" else ""
+        if why:
+            text = f"{text}; {why}" if text else why
         # everything judged here is known from now on: propagation is not a new stop
         self._taint_add(bad, out_nan, posinf + neginf > 0, stop or lineage)
         for r in nonfinite:

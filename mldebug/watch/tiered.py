@@ -563,7 +563,8 @@ class TieredChecks:
         if stage == "backward" and self._amp.excuses():
             return            # a loss scaler's overflow: GradScaler skips this step
         if stage == "backward" and self._amp.note_for_stop():
-            reason = f"{reason}; {self._amp.note_for_stop()}" if reason else self._amp.note_for_stop()
+            why = self._amp.note_for_stop()
+            reason = f"{reason}; {why}" if reason else why
         from ..session import Violation
         frame = _frames.user_frame(_caller(1))
         file, line, function = _frames.location(frame)
@@ -617,7 +618,8 @@ class _GradSentinel:
             return None
         if isinstance(grad, Tensor) \
                 and _SUM_DTYPE.get(grad.dtype, 0) != 0 and _checkable(grad):
-            if not (grad.is_cpu and _HOST_READS):   # no sync here: read with the parameters' gradients
+            if not (grad.is_cpu and _HOST_READS):
+                # no sync here: read with the parameters' gradients
                 t.device_grad_sums.append((grad.detach().sum(dtype=_F32), self.record))
                 return None
             counts = _cpu_nonfinite_counts(grad)
