@@ -1,6 +1,7 @@
 """Cost of `mldebug.record()` and of the CLI's step history, as ratios to the plain step.
 
     python benchmarks/bench_record.py [--quick] [--models mlp,cnn] [--device cpu|cuda]
+                                      [--batch-scale N]
 
 One process; for each model the variants run interleaved, repetition after repetition,
 each on its own copy of the model (same weights), and the median step time of each is
@@ -44,7 +45,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_watch import MODELS, step, sync  # noqa: E402
+from bench_watch import BATCH_SCALE, MODELS, step, sync  # noqa: E402
 
 import mldebug  # noqa: E402
 from mldebug.graph import Capture  # noqa: E402
@@ -227,11 +228,14 @@ def main(argv=None):
     parser.add_argument("--models", default="mlp,cnn")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads")
+    parser.add_argument("--batch-scale", type=int, default=1,
+                        help="multiply every model's batch (bench_watch.py's models)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall: perf_counter; cpu: process CPU time of all threads (less "
                              "sensitive to other processes on a shared machine; use with "
                              "--threads 1, as idle intra-op threads spin)")
     args = parser.parse_args(argv)
+    BATCH_SCALE[0] = args.batch_scale
     if args.clock == "cpu":
         CLOCK[0] = time.process_time
     if args.threads:
@@ -241,7 +245,7 @@ def main(argv=None):
     per = {"mlp": 8, "cnn": 5}
     load = os.getloadavg()
     print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, "
-          f"{'quick' if args.quick else 'full'}, clock {args.clock}, load average {load[0]:.2f} {load[1]:.2f} "
+          f"{'quick' if args.quick else 'full'}, batch x{args.batch_scale}, clock {args.clock}, load average {load[0]:.2f} {load[1]:.2f} "
           f"{load[2]:.2f} on {os.cpu_count()} cpus")
     if texp is None:
         print(f"torchexplorer: skipped ({why}); pip install torchexplorer --no-deps to compare")

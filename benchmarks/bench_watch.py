@@ -1,6 +1,7 @@
 """Cost of `mldebug.watch()` on a training step, as ratios to the plain step.
 
     python benchmarks/bench_watch.py [--quick] [--models mlp,cnn,gpt] [--device cpu|cuda]
+                                     [--batch-scale N]
 
 One process; for each model the variants run interleaved, in a new (seeded) random order
 every repetition (plain, plain2 = plain again, the
@@ -29,11 +30,14 @@ import mldebug  # noqa: E402
 
 
 # -- models --------------------------------------------------------------------------
+BATCH_SCALE = [1]   # --batch-scale: larger batches keep a GPU busy (not launch-bound)
+
+
 def make_mlp(device):
     m = nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
                       nn.Linear(256, 10)).to(device)
-    x = torch.randn(64, 784, device=device)
-    y = torch.randint(0, 10, (64,), device=device)
+    x = torch.randn(64 * BATCH_SCALE[0], 784, device=device)
+    y = torch.randint(0, 10, (64 * BATCH_SCALE[0],), device=device)
     return m, (lambda: F.cross_entropy(m(x), y)), torch.optim.SGD(m.parameters(), lr=0.01)
 
 
@@ -77,8 +81,8 @@ class ResNet18(nn.Module):
 
 def make_cnn(device):
     m = ResNet18().to(device)
-    x = torch.randn(16, 3, 64, 64, device=device)
-    y = torch.randint(0, 10, (16,), device=device)
+    x = torch.randn(16 * BATCH_SCALE[0], 3, 64, 64, device=device)
+    y = torch.randint(0, 10, (16 * BATCH_SCALE[0],), device=device)
     return m, (lambda: F.cross_entropy(m(x), y)), torch.optim.SGD(m.parameters(), lr=0.01,
                                                                   momentum=0.9)
 
@@ -104,8 +108,8 @@ class GPT(nn.Module):
 
 def make_gpt(device):
     m = GPT().to(device)
-    idx = torch.randint(0, 1000, (8, 128), device=device)
-    y = torch.randint(0, 1000, (8, 128), device=device)
+    idx = torch.randint(0, 1000, (8 * BATCH_SCALE[0], 128), device=device)
+    y = torch.randint(0, 1000, (8 * BATCH_SCALE[0], 128), device=device)
     return m, (lambda: F.cross_entropy(m(idx).flatten(0, 1), y.flatten())), \
         torch.optim.AdamW(m.parameters(), lr=1e-4)
 
@@ -245,14 +249,18 @@ def main(argv=None):
                                 "naive_isfinite")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads")
+    parser.add_argument("--batch-scale", type=int, default=1,
+                        help="multiply every model's batch (a GPU busy rather than "
+                             "launch-bound)")
     args = parser.parse_args(argv)
+    BATCH_SCALE[0] = args.batch_scale
     if args.threads:
         torch.set_num_threads(args.threads)
     reps = {"mlp": 200, "cnn": 15, "gpt": 7} if not args.quick else {"mlp": 60, "cnn": 5, "gpt": 3}
     per = {"mlp": 5, "cnn": 1, "gpt": 1}
     only = args.variants.split(",")
     print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, "
-          f"{'quick' if args.quick else 'full'}")
+          f"{'quick' if args.quick else 'full'}, batch x{args.batch_scale}")
     header = f"{'model':6} {'plain ms':>9} " + " ".join(f"{k:>15}" for k in only if k != "plain")
     print(header)
     for name in args.models.split(","):
