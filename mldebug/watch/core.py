@@ -32,8 +32,8 @@ from .. import frames as _frames
 from ..errors import NonFiniteError, UsageError
 from . import safe as _safe
 from . import tiered as _tiered
-from .amp import SCALER_OPS, LossScaling
 from . import tiers as _tiers
+from .amp import SCALER_OPS, LossScaling
 from .checks import (_ALLOWED, _F32, _LOW, _SUM_DTYPE, _caller, _checkable, _counts,
                      _floating, _getframe, _grad_enabled, _isfinite, _summary)
 from .context import ModuleNames
