@@ -256,28 +256,30 @@ def _close_assertions(started) -> None:
         started.close()
 
 
-def _flush_watches(started) -> None:
+def _watches(started) -> list:
+    """The watch the CLI started and any the user started at the prompt."""
     from .watch import active_watch
 
-    for watch in (started, active_watch()):
-        if watch is not None:
-            watch.flush()
+    active = active_watch()
+    return [w for w in (started, active if active is not started else None) if w is not None]
+
+
+def _flush_watches(started) -> None:
+    for watch in _watches(started):
+        watch.flush()
 
 
 def _close_watches(started) -> None:
     """Close the watch the CLI started and any the user started at the prompt."""
-    from .watch import active_watch
-
     with warnings.catch_warnings():
         # a watch turned off and on while paused inside an op leaves an inert mode under
         # the new one; expected, not news for the user
         warnings.simplefilter("ignore", RuntimeWarning)
-        for watch in (started, active_watch()):
-            if watch is not None:
-                try:
-                    watch.close()
-                except (_session.BatchStop, bdb.BdbQuit):
-                    pass     # a stop in what was pending: printed and reported already
+        for watch in _watches(started):
+            try:
+                watch.close()
+            except (_session.BatchStop, bdb.BdbQuit):
+                pass     # a stop in what was pending: printed and reported already
 
 
 def run(args) -> int:

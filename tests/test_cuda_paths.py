@@ -20,6 +20,7 @@ from mldebug.record import open_run
 from mldebug.summary import summary
 
 from conftest import clean_env, marker_line, needs_cuda, read_report, run_cli
+from test_record_history import BLOWUP
 
 pytestmark = needs_cuda
 
@@ -190,31 +191,15 @@ def test_a_watched_cuda_training_is_bitwise_the_plain_one(write_program, tmp_pat
             assert torch.equal(tensor, b["state"][name]), (mode, name)
 
 
-BLOWUP_ON_CUDA = """
-    import torch
-    from torch import nn
+def _on_cuda(program: str) -> str:
+    """PROGRAM with its model and input on the GPU."""
+    cuda = program.replace("Head())\n", "Head()).cuda()\n").replace(
+        "torch.randn(32, 4)", 'torch.randn(32, 4, device="cuda")')
+    assert cuda.count(".cuda()") == 1 and cuda.count('device="cuda"') == 1
+    return cuda
 
-    class Head(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(8, 1)
 
-        def forward(self, x):
-            return self.lin(x).exp()
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), Head()).cuda()
-    opt = torch.optim.SGD(model.parameters(), lr=0.001)
-    x = torch.randn(32, 4, device="cuda")
-    for step in range(40):
-        opt.zero_grad()
-        loss = model(x).mean()
-        loss.backward()
-        with torch.no_grad():
-            model[2].lin.weight.mul_(3.0)   # planted: the head's weight blows up
-        opt.step()
-    print("finished")
-"""
+BLOWUP_ON_CUDA = _on_cuda(BLOWUP)
 
 
 def test_at_a_cuda_stop_the_prompt_inspects_and_shows_the_history(write_program):

@@ -31,7 +31,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .tensorbatch import BlockPool, TensorBatch, per_sample_norms, sample_index
+from .tensorbatch import BlockPool, TensorBatch, nonfinite_row, per_sample_norms, sample_index
 
 ROW = ("numel", "sum", "abs_sum", "sumsq", "min", "max", "nan", "posinf", "neginf")
 _NROW = len(ROW)
@@ -55,26 +55,11 @@ def sample_of(flat: torch.Tensor, size: int) -> torch.Tensor:
     return flat.index_select(0, sample_index(n, size, flat.device))
 
 
-def _nonfinite_row(x: torch.Tensor) -> list:
-    """CPU, the sum is not finite: exact counts and stats of the finite values."""
-    nan = int(torch.isnan(x).sum())
-    pinf = int((x == math.inf).sum())
-    ninf = int((x == -math.inf).sum())
-    fin = x[torch.isfinite(x)]
-    n = fin.numel()
-    if n:
-        lo, hi = torch.aminmax(fin)
-        body = [fin.sum(), fin.abs().sum(), torch.dot(fin, fin), lo, hi]
-    else:
-        body = [0.0, 0.0, 0.0, math.nan, math.nan]
-    return [n, *body, nan, pinf, ninf]
-
-
 def _cpu_row(x: torch.Tensor, norms: Optional[torch.Tensor]) -> list:
     """A large CPU tensor now, as host numbers: sum, Σx², aminmax (one pass), |x| sum."""
     s = x.sum().item()
     if not math.isfinite(s):
-        return [v.item() if isinstance(v, torch.Tensor) else v for v in _nonfinite_row(x)]
+        return nonfinite_row(x)
     if norms is not None:       # Σx² from the per-sample norms: one pass less
         ss = float(norms.double().square().sum())
     else:

@@ -172,7 +172,7 @@ def _reduce_block(v, segs, stats, samples, norms, size) -> None:
     # taken before `abs_` overwrites the copy
     r0 = [s[2] for s in segs]
     total = np.add.reduceat(sums, r0)
-    exact = {j: _nonfinite_row(flat.narrow(0, segs[j][2] * CHUNK, segs[j][3]))
+    exact = {j: nonfinite_row(flat.narrow(0, segs[j][2] * CHUNK, segs[j][3]))
              for j in np.flatnonzero(~np.isfinite(total))}
     absum = v.abs_().sum(1).double().numpy()      # in place: the copy is ours
     _combine(segs, sums, absum, sq, lo, hi, stats)
@@ -244,7 +244,7 @@ class DeviceStaged:
                 flat = v.view(-1)
                 for j in np.flatnonzero(~np.isfinite(total)):   # rare: read that copy
                     s = segs[j]
-                    stats[s[0]] = _nonfinite_row(flat.narrow(0, s[2] * CHUNK, s[3]).cpu())
+                    stats[s[0]] = nonfinite_row(flat.narrow(0, s[2] * CHUNK, s[3]).cpu())
         finally:
             self.batch._give_back()
 
@@ -272,7 +272,7 @@ def _layout(segs: list, size: int, device) -> tuple:
     return got
 
 
-def _nonfinite_row(x: torch.Tensor) -> list:
+def nonfinite_row(x: torch.Tensor) -> list:
     """[finite count, sum, |x| sum, Σx², min, max of the finite values, nan, +inf, -inf]."""
     a = x.double().numpy()
     fin = a[np.isfinite(a)]

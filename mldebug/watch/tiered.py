@@ -473,8 +473,6 @@ class TieredChecks:
         """A model output's gradient came out of the unchecked loss region non-finite
         (an overflow): a stop at `loss.backward()` that names the region's nodes."""
         call, pos, counts = self._t.loss_bflag
-        if self._amp.excuses():
-            return False      # a loss scaler's overflow: GradScaler skips this step
         n0 = len(self.violations)
         nodes = _safe.loss_region_nodes(roots, boundary_of(targets))
         module, module_type = self._names.path((call.module, None))

@@ -324,12 +324,9 @@ def grad_inputs(module, args, checked_only=False) -> list:
     return inputs
 
 
-
 def nonfinite_grads(tensors) -> bool:
     """True when any gradient among TENSORS' `.grad` may be non-finite (an overflowing sum
-    of finite values is sorted out by the caller). Per-tensor sums, not `_foreach_norm`:
-    on CPU that decomposes into many small ops and is ~10x slower for a handful of
-    tensors."""
+    of finite values is sorted out by the caller); `any_nonfinite_sum` checks them."""
     grads = []
     for t in tensors:
         g = t.grad
