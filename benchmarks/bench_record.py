@@ -235,6 +235,8 @@ def main(argv=None):
                              "sensitive to other processes on a shared machine; use with "
                              "--threads 1, as idle intra-op threads spin)")
     args = parser.parse_args(argv)
+    if args.batch_scale < 1:
+        parser.error(f"--batch-scale must be 1 or more, got {args.batch_scale}")
     BATCH_SCALE[0] = args.batch_scale
     if args.clock == "cpu":
         CLOCK[0] = time.process_time

@@ -253,6 +253,8 @@ def main(argv=None):
                         help="multiply every model's batch (a GPU busy rather than "
                              "launch-bound)")
     args = parser.parse_args(argv)
+    if args.batch_scale < 1:
+        parser.error(f"--batch-scale must be 1 or more, got {args.batch_scale}")
     BATCH_SCALE[0] = args.batch_scale
     if args.threads:
         torch.set_num_threads(args.threads)
