@@ -138,18 +138,20 @@ class TensorBatch:
         self.blocks, self.segs, self.open = [], [], {}
 
 
-def _combine(segs, sums, absum, sq, lo, hi, stats) -> np.ndarray:
-    """Per-row results (host, float64) -> the stats rows of the tensors; returns their
-    totals (sums), whose non-finite ones the caller recounts exactly."""
+def _totals(segs, sums) -> np.ndarray:
+    """Each tensor's sum from its rows' (host, float64): a non-finite one is recounted."""
+    return np.add.reduceat(sums, np.array([s[2] for s in segs], np.int64))
+
+
+def _combine(segs, total, absum, sq, lo, hi, stats) -> None:
+    """Per-row results (host, float64) and the tensors' totals -> their stats rows."""
     rows = np.array([s[0] for s in segs], np.int64)
     n = np.array([s[3] for s in segs], np.int64)
     r0 = np.array([s[2] for s in segs], np.int64)
-    total = np.add.reduceat(sums, r0)
     with np.errstate(invalid="ignore"):
         stats[rows] = np.stack([n, total, np.add.reduceat(absum, r0),
                                 np.add.reduceat(sq * sq, r0), np.minimum.reduceat(lo, r0),
                                 np.maximum.reduceat(hi, r0), *np.zeros((3, len(n)))], 1)
-    return total
 
 
 def _reduce_block(v, segs, stats, samples, norms, size) -> None:
@@ -170,12 +172,11 @@ def _reduce_block(v, segs, stats, samples, norms, size) -> None:
         hi[last.numpy()] = np.where(valid, tails, -np.inf).max(1)
     # NaN/Inf inside (or an overflow): exact counts and stats of the finite values,
     # taken before `abs_` overwrites the copy
-    r0 = [s[2] for s in segs]
-    total = np.add.reduceat(sums, r0)
+    total = _totals(segs, sums)
     exact = {j: nonfinite_row(flat.narrow(0, segs[j][2] * CHUNK, segs[j][3]))
              for j in np.flatnonzero(~np.isfinite(total))}
     absum = v.abs_().sum(1).double().numpy()      # in place: the copy is ours
-    _combine(segs, sums, absum, sq, lo, hi, stats)
+    _combine(segs, total, absum, sq, lo, hi, stats)
     for j, row in exact.items():
         stats[segs[j][0]] = row
     if picked is not None:
@@ -234,7 +235,8 @@ class DeviceStaged:
                     k += 1
                     idx = [(s[2] * CHUNK + s[3]) // CHUNK for s in segs if s[3] % CHUNK]
                     lo[idx], hi[idx] = lo_t, hi_t
-                total = _combine(segs, sums, absum, sq, lo, hi, stats)
+                total = _totals(segs, sums)
+                _combine(segs, total, absum, sq, lo, hi, stats)
                 if picked:
                     _split_samples(segs, host[k], size, samples)
                     k += 1
