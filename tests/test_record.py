@@ -444,3 +444,36 @@ def test_the_device_batch_path_matches_torch_and_the_cpu_path():
         assert dev[i, 1] == pytest.approx(t.sum().item(), abs=1e-6 * t.abs().sum().item())
         assert (dev[i, 4], dev[i, 5]) == (t.min().item(), t.max().item())
     assert list(dev[3]) == [2, 4, 4, 10, 1, 3, 1, 1, 0]   # finite stats, then the counts
+
+
+def test_histograms_of_many_rows_at_once_match_numpy_row_by_row():
+    """`bin_rows` bins every recorded tensor's sample in one pass: per row it must give
+    numpy's histogram over [lo, hi] (hi itself in the last bin), values outside counted
+    below/above and NaN/Inf not at all."""
+    from mldebug.record.stats import bin_rows
+    rng = np.random.default_rng(0)
+    lengths = np.array([0, 1, 7, 1024, 300, 50])
+    lo = np.array([0.0, -1.0, -2.0, -0.5, 3.0, 1.0])
+    hi = np.array([1.0, 1.0, 2.0, 0.5, 3.0, 1.0 + 1e-9])     # a zero-width range too
+    rows = [rng.standard_normal(n) * 2 for n in lengths]
+    rows[3][:4] = [np.nan, np.inf, -np.inf, 0.5]              # 0.5 is hi: the last bin
+    rows[4][:] = 3.0                  # a constant tensor: its range is a point
+    rows[4][0] = np.nan
+    for nonfinite in (False, True):                            # the fast path and the masked one
+        if not nonfinite:
+            rows[3][:3] = [0.11, 0.23, 0.37]
+        else:
+            rows[3][:3] = [np.nan, np.inf, -np.inf]
+        counts = bin_rows(np.concatenate(rows), lengths, lo, hi, 10)
+        assert counts.shape == (6, 12)
+        for r, x in enumerate(rows):
+            x = x[np.isfinite(x)]
+            below, above = (x < lo[r]).sum(), (x > hi[r]).sum()
+            inside = x[(x >= lo[r]) & (x <= hi[r])]
+            if hi[r] > lo[r]:
+                ref, _ = np.histogram(inside, bins=10, range=(lo[r], hi[r]))
+            else:                                              # a point: all in bin 0
+                ref = np.zeros(10, np.int64)
+                ref[0] = len(inside)
+            assert list(counts[r, 1:-1]) == list(ref), r
+            assert (counts[r, 0], counts[r, -1]) == (below, above), r

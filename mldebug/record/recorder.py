@@ -667,30 +667,44 @@ class Recorder:
         scalars, self._scalars = self._scalars, []
         notes, self._notes = self._notes, []
         self._last_flush = time.monotonic()
-        self._writer.submit(lambda: self._write_step(step, batch, staged, entries, caps,
-                                                     scalars, notes))
+        w = self._writer
+        if (staged is None or batch.on_host(staged)) and all(
+                c[1].device.type == "cpu" for c in caps.values()):
+            # all on the host: finished here. A writer thread that did it would hold the
+            # GIL through many small numpy ops while the next step's Python waits (on a
+            # small machine that cost more than the work); the commit still goes there
+            w.flush()     # (series ids: the writer is idle while new ones are added)
+            with _Quiet():
+                packed, cap_rows = self._pack_step(step, batch, staged, entries, caps)
+            w.submit(lambda: w.write_step(step, packed, _scalar_rows(scalars), notes, cap_rows))
+            return
+        w.submit(lambda: self._write_step(step, batch, staged, entries, caps, scalars, notes))
 
     def _write_step(self, step, batch, staged, entries, caps, scalars, notes) -> None:
         """On the writer thread: the host transfer, histograms, packing, the commit.
         (The watch's dispatch mode is per thread: this thread is not watched.)"""
         with torch.no_grad():
-            out = batch.finish_staged(staged) if staged is not None else None
-            cap_rows = self._capture_rows(step, caps)
-        packed = None
-        if entries:
-            w = self._writer
-            sids = np.empty(len(entries), np.int32)
-            calls = np.empty(len(entries), np.int32)
-            rows = np.empty(len(entries), np.int64)
-            for j, (key, meta, call, r) in enumerate(entries):
-                sid = w._series.get(key)
-                if sid is None:
-                    path, kind, idx, name, shape, dtype = meta[:6]
-                    sid = w.series_id(key, path, kind, idx, name, meta[6] if len(meta) > 6 else "",
-                                      tuple(shape), str(dtype).replace("torch.", ""))
-                sids[j], calls[j], rows[j] = sid, call, r
-            packed = _pack(out, sids, calls, rows, self.bins if self.sample else 0)
+            packed, cap_rows = self._pack_step(step, batch, staged, entries, caps)
         self._writer.write_step(step, packed, _scalar_rows(scalars), notes, cap_rows)
+
+    def _pack_step(self, step, batch, staged, entries, caps) -> tuple:
+        """The step's stepdata row and capture rows (host transfer, histograms, packing)."""
+        out = batch.finish_staged(staged) if staged is not None else None
+        cap_rows = self._capture_rows(step, caps)
+        if not entries:
+            return None, cap_rows
+        w = self._writer
+        sids = np.empty(len(entries), np.int32)
+        calls = np.empty(len(entries), np.int32)
+        rows = np.empty(len(entries), np.int64)
+        for j, (key, meta, call, r) in enumerate(entries):
+            sid = w._series.get(key)
+            if sid is None:
+                path, kind, idx, name, shape, dtype = meta[:6]
+                sid = w.series_id(key, path, kind, idx, name, meta[6] if len(meta) > 6 else "",
+                                  tuple(shape), str(dtype).replace("torch.", ""))
+            sids[j], calls[j], rows[j] = sid, call, r
+        return _pack(out, sids, calls, rows, self.bins if self.sample else 0), cap_rows
 
     def _stage_captures(self, caps: dict) -> dict:
         """Means divided on the device before the step's tensors are handed over."""
@@ -732,21 +746,21 @@ def _scalar_rows(items: list) -> list:
 
 def _pack(out: dict, sids, calls, rows, bins: int) -> tuple:
     """The stepdata columns (after step) of a finished batch, rows picked by ROWS."""
-    from .store import STAT_COLUMNS
-    stats = np.stack([np.asarray(out[c], np.float64)[rows] for c in STAT_COLUMNS], 1)
     norm_off = np.full((len(rows), 2), -1, np.int64)
     chunks, o = [], 0
-    for j, r in enumerate(rows):
-        v = out["norms"].get(int(r))
-        if v is not None:
-            norm_off[j] = (o, len(v))
-            chunks.append(v)
-            o += len(v)
+    got = out["norms"]
+    if got:
+        for j, r in enumerate(rows.tolist()):
+            v = got.get(r)
+            if v is not None:
+                norm_off[j] = (o, len(v))
+                chunks.append(v)
+                o += len(v)
     norms = np.concatenate(chunks).astype("<f4") if chunks else np.zeros(0, "<f4")
     hist = out["hist"][rows].astype("<i4") if bins else np.zeros((len(rows), 0), "<i4")
     ranges = np.stack([out["lo"][rows], out["hi"][rows]], 1).astype("<f8")
     outside = np.stack([out["below"][rows], out["above"][rows]], 1).astype("<i4")
     return (len(rows), bins, sids.astype("<i4").tobytes(), calls.astype("<i4").tobytes(),
-            stats.astype("<f8").tobytes(), hist.tobytes(), ranges.tobytes(),
+            out["stats"][rows].astype("<f8").tobytes(), hist.tobytes(), ranges.tobytes(),
             outside.tobytes(), out["sample_n"][rows].astype("<i4").tobytes(),
             norm_off.astype("<i8").tobytes(), norms.tobytes())

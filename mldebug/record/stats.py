@@ -31,6 +31,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .store import STAT_COLUMNS
 from .tensorbatch import BlockPool, TensorBatch, nonfinite_row, per_sample_norms, sample_index
 
 ROW = ("numel", "sum", "abs_sum", "sumsq", "min", "max", "nan", "posinf", "neginf")
@@ -174,6 +175,7 @@ class StepBatch:
             nrm = norms_by_device.get(dev, [])
             # type promotion does the dtype work; one tensor each
             staged.append({
+                "device": dev,
                 "event": None,
                 "cells": torch.stack(cells) if cells else None,
                 "where": np.array(where, np.int64).reshape(-1, 2),
@@ -197,6 +199,12 @@ class StepBatch:
 
     def finish(self) -> dict:
         return self.finish_staged(self.stage())
+
+    @staticmethod
+    def on_host(staged: tuple) -> bool:
+        """Whether a staged step holds nothing on another device than the CPU (nothing to
+        wait for: `finish_staged` is host work only)."""
+        return all(d["device"].type == "cpu" for d in staged[2])
 
     def finish_staged(self, staged: tuple) -> dict:
         """Host numpy arrays: the `describe_rows` columns [K], hist [K, bins] int64, lo,
@@ -241,20 +249,21 @@ class StepBatch:
             for r, n in d["norm_rows"]:
                 norms[r] = host[o:o + n].astype(np.float32)
                 o += n
-        out = describe_rows(stats)
-        out.update(self._histograms(stats, out, host_samples))
+        out = self._histograms(describe_rows(stats), host_samples)
         out["norms"] = norms
         return out
 
-    def _histograms(self, stats: np.ndarray, desc: dict, samples: list) -> dict:
-        """Bin every sample at once: range = [min, max] of the finite values, clipped to
-        mean ± clip·std; sample values outside it are counted as below / above."""
+    def _histograms(self, desc: np.ndarray, samples: list) -> dict:
+        """DESC: `describe_rows`. Bin every sample at once: range = [min, max] of the finite
+        values, clipped to mean ± clip·std; sample values outside it are counted as below
+        / above. Returns {stats: DESC, hist, lo, hi, below, above, sample_n}."""
         k, bins = len(samples), self.bins
-        lo = np.nan_to_num(desc["min"].astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0)
-        hi = np.nan_to_num(desc["max"].astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+        lo, hi = _finite_or_0(desc[:, 5]), _finite_or_0(desc[:, 6])
         if self.clip is not None:
-            mean = np.nan_to_num(desc["mean"].astype(np.float64))
-            half = self.clip * np.nan_to_num(desc["std"].astype(np.float64), posinf=np.inf)
+            mean = desc[:, 1]
+            mean = np.where(np.isnan(mean), 0.0, mean)
+            std = desc[:, 3]
+            half = self.clip * np.where(np.isnan(std), 0.0, std)
             with np.errstate(invalid="ignore"):
                 lo = np.maximum(lo, mean - half)
                 hi = np.minimum(hi, mean + half)
@@ -262,43 +271,76 @@ class StepBatch:
         lengths = np.array([0 if s is None else len(s) for s in samples], np.int64)
         if not lengths.sum():
             z = np.zeros(k, np.int64)
-            return {"hist": np.zeros((k, bins), np.int64), "lo": lo, "hi": hi, "below": z,
-                    "above": z, "sample_n": lengths}
-        x = np.concatenate([s for s in samples if s is not None])
-        row = np.repeat(np.arange(k), lengths)
-        width = hi - lo
-        scale = np.where(width > 0, bins / np.where(width > 0, width, 1.0), 0.0)
-        with np.errstate(invalid="ignore"):
-            t = (x - lo[row]) * scale[row]
-            ok = np.isfinite(t)
-            # class 0: below the range, 1..bins: the bins (hi itself in the last), bins+1: above
-            b = np.floor(np.where(ok, t, 0.0))
-            b = np.where(t == bins, bins - 1, b)
-            b = np.clip(b, -1, bins).astype(np.int64) + 1 + row * (bins + 2)
-        counts = np.bincount(b[ok], minlength=k * (bins + 2)).reshape(k, bins + 2)
-        return {"hist": counts[:, 1:-1], "lo": lo, "hi": hi, "below": counts[:, 0],
-                "above": counts[:, -1], "sample_n": lengths}
+            return {"stats": desc, "hist": np.zeros((k, bins), np.int64), "lo": lo, "hi": hi,
+                    "below": z, "above": z, "sample_n": lengths}
+        x = np.concatenate([s for s in samples if s is not None]).astype(np.float64, copy=False)
+        counts = bin_rows(x, lengths, lo, hi, bins)
+        return {"stats": desc, "hist": counts[:, 1:-1], "lo": lo, "hi": hi,
+                "below": counts[:, 0], "above": counts[:, -1], "sample_n": lengths}
+
+
+def _finite_or_0(a: np.ndarray) -> np.ndarray:
+    return np.where(np.isfinite(a), a, 0.0)
+
+
+_OFFSETS: dict = {}     # (lengths, bins) -> each sample's first class index (+1)
+
+
+def bin_rows(x: np.ndarray, lengths: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+             bins: int) -> np.ndarray:
+    """Counts [K, bins + 2] of X (float64, the K rows' samples one after another, LENGTHS
+    each) in BINS equal bins over [LO, HI] per row (HI itself in the last bin); column 0
+    counts values below LO, the last those above HI; NaN/Inf are not counted. In place on
+    one temporary, with a mask only when something is not finite."""
+    k = len(lengths)
+    key = (lengths.tobytes(), bins)
+    off = _OFFSETS.get(key)
+    if off is None:
+        if len(_OFFSETS) > 64:
+            _OFFSETS.clear()
+        off = _OFFSETS[key] = np.repeat(np.arange(k, dtype=np.int64) * (bins + 2) + 1, lengths)
+    width = hi - lo
+    scale = np.where(width > 0, bins / np.where(width > 0, width, 1.0), 0.0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        t = x - np.repeat(lo, lengths)
+        t *= np.repeat(scale, lengths)
+        ok = None if np.isfinite(t.sum()) else np.isfinite(t)
+        if ok is not None:
+            t[~ok] = 0.0
+        # class 0: below the range, 1..bins: the bins (hi itself in the last), bins+1: above
+        t[t == bins] = bins - 1
+        np.floor(t, out=t)
+        np.clip(t, -1, bins, out=t)
+        b = t.astype(np.int64)
+    b += off
+    if ok is not None:
+        b = b[ok]
+    return np.bincount(b, minlength=k * (bins + 2)).reshape(k, bins + 2)
 
 
 _CPU = torch.device("cpu")
-SUMMARY = ("numel", "mean", "abs_mean", "std", "abs_max", "min", "max", "nan", "posinf",
-           "neginf")
+SUMMARY = STAT_COLUMNS    # describe_rows' columns are the store's
 
 
-def describe_rows(stats: np.ndarray) -> dict:
-    """Vectorized summaries of host rows: {numel, mean, abs_mean, std, abs_max, min, max,
-    nan, posinf, neginf} as arrays (NaN where undefined: no finite value, std of one)."""
-    n, s, a, ss, lo, hi, nan, pinf, ninf = (stats[:, j] for j in range(_NROW))
+def describe_rows(stats: np.ndarray) -> np.ndarray:
+    """Vectorized summaries of host rows [K, 9] (`ROW`): [K, 10] float64 in `SUMMARY`
+    order (NaN where undefined: no finite value, std of one)."""
+    n, s, a, ss, lo, hi = stats[:, :6].T
+    out = np.empty((len(stats), len(SUMMARY)))
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        has = n > 0
-        safe = np.where(has, n, 1.0)
-        mean = np.where(has, s / safe, np.nan)
-        var = (ss - s * (s / safe)) / np.where(n > 1, n - 1, 1.0)
-        std = np.where(n > 1, np.sqrt(np.maximum(var, 0.0)), np.nan)
-        std = np.where(np.isinf(ss) & (n > 1), np.inf, std)
-        return {"numel": (n + nan + pinf + ninf).astype(np.int64), "mean": mean,
-                "abs_mean": np.where(has, a / safe, np.nan), "std": std,
-                "abs_max": np.where(has, np.maximum(np.abs(lo), np.abs(hi)), np.nan),
-                "min": np.where(has, lo, np.nan), "max": np.where(has, hi, np.nan),
-                "nan": nan.astype(np.int64), "posinf": pinf.astype(np.int64),
-                "neginf": ninf.astype(np.int64)}
+        safe = np.maximum(n, 1.0)
+        mean = s / safe
+        var = (ss - s * mean) / np.maximum(n - 1, 1.0)
+        std = np.sqrt(np.maximum(var, 0.0))
+        std[np.isinf(ss)] = np.inf
+        std[n <= 1] = np.nan
+        out[:, 0] = n + stats[:, 6:].sum(1)
+        out[:, 1] = mean
+        out[:, 2] = a / safe
+        out[:, 3] = std
+        out[:, 4] = np.maximum(np.abs(lo), np.abs(hi))
+        out[:, 5] = lo
+        out[:, 6] = hi
+        out[n <= 0, 1:7] = np.nan
+        out[:, 7:] = stats[:, 6:]
+    return out

@@ -6,12 +6,11 @@ five reductions, a sample gather, a read-back each) than in arithmetic; on a GPU
 is a kernel launch (~10 µs of CPU time), and a step of a small model is launch-bound. So
 `add` does ONE op: it copies the tensor into a block (a [rows, CHUNK] matrix on the
 tensor's device, reused from step to step), starting on a fresh row. The step's end then
-runs a fixed handful of ops per block, whatever the number of tensors: the padding after
-each tensor zeroed (one scatter), per-row sum, Σx² (2-norm), min, max, |x| sum and the
-samples (one gather) in torch; per-tensor totals in float64 with `reduceat` over each
-tensor's rows, on the host. The min/max of a tensor's last, partly filled row are taken
-again without its padding. A tensor whose total is not finite is recomputed exactly from
-its copy.
+runs a fixed handful of ops per block, whatever the number of tensors: per-row min and
+max with the padding after each tensor set to +inf, then -inf (one scatter each), sum,
+Σx² (2-norm) and |x| sum with it set to 0, and the samples (one gather) in torch;
+per-tensor totals in float64 with `reduceat` over each tensor's rows, on the host. A
+tensor whose total is not finite is recomputed exactly from its copy.
 
 CPU blocks are reduced and read at once (`reduce`). Device blocks are reduced without a
 read (`stage`: kernels queued on the stream, after the copies); the recorder's writer
@@ -138,45 +137,55 @@ class TensorBatch:
         self.blocks, self.segs, self.open = [], [], {}
 
 
-def _totals(segs, sums) -> np.ndarray:
-    """Each tensor's sum from its rows' (host, float64): a non-finite one is recounted."""
-    return np.add.reduceat(sums, np.array([s[2] for s in segs], np.int64))
+def _combine(lay: "_Layout", per_row: np.ndarray, stats: np.ndarray) -> np.ndarray:
+    """Per-row results [5, rows] (host, float64: Σx, ‖x‖₂, min, max, Σ|x|) -> the
+    tensors' stats rows; returns their totals (a non-finite one is recounted)."""
+    s, norm, lo, hi, absum = per_row
+    with np.errstate(invalid="ignore", over="ignore"):
+        sums = np.add.reduceat(np.stack([s, absum, norm * norm]), lay.r0, axis=1)
+        out = np.zeros((len(lay.r0), stats.shape[1]))
+        out[:, 0] = lay.n
+        out[:, 1:4] = sums.T
+        out[:, 4] = np.minimum.reduceat(lo, lay.r0)
+        out[:, 5] = np.maximum.reduceat(hi, lay.r0)
+    stats[lay.rows] = out
+    return sums[0]
 
 
-def _combine(segs, total, absum, sq, lo, hi, stats) -> None:
-    """Per-row results (host, float64) and the tensors' totals -> their stats rows."""
-    rows = np.array([s[0] for s in segs], np.int64)
-    n = np.array([s[3] for s in segs], np.int64)
-    r0 = np.array([s[2] for s in segs], np.int64)
-    with np.errstate(invalid="ignore"):
-        stats[rows] = np.stack([n, total, np.add.reduceat(absum, r0),
-                                np.add.reduceat(sq * sq, r0), np.minimum.reduceat(lo, r0),
-                                np.maximum.reduceat(hi, r0), *np.zeros((3, len(n)))], 1)
+def _row_stats(v: torch.Tensor, pad: torch.Tensor) -> list:
+    """[Σx, ‖x‖₂, min, max] of each row of block V, the padding (flat positions PAD)
+    left out: +inf for the min, -inf for the max, then 0 for the sums (and kept 0)."""
+    flat = v.view(-1)
+    if len(pad):
+        flat.index_fill_(0, pad, math.inf)
+        lo = v.amin(1)
+        flat.index_fill_(0, pad, -math.inf)
+        hi = v.amax(1)
+        flat.index_fill_(0, pad, 0.0)
+    else:
+        lo, hi = v.amin(1), v.amax(1)
+    return [v.sum(1), torch.linalg.vector_norm(v, dim=1), lo, hi]
 
 
 def _reduce_block(v, segs, stats, samples, norms, size) -> None:
     flat = v.view(-1)
-    gather, pad, last, valid, _ = _layout(segs, size, v.device)
-    flat.index_fill_(0, pad, 0.0)        # sums and |x| sums count the padding as 0
-    per_row = torch.stack([v.sum(1), torch.linalg.vector_norm(v, dim=1), v.amin(1),
-                           v.amax(1)]).double().numpy()
-    tails = v.index_select(0, last).double().numpy() if len(valid) else None
-    picked = flat.index_select(0, gather).double().numpy() if size else None
+    lay = _layout(segs, size, v.device)
+    sums, norm2, lo, hi = _row_stats(v, lay.pad)
+    picked = flat.index_select(0, lay.gather).double().numpy() if size else None
     for s in segs:
         if s[5] is not None and len(s[4]):
             seg = flat.narrow(0, s[2] * CHUNK, s[3]).view(s[4])
             norms[s[0]] = per_sample_norms(seg, s[5]).numpy().copy()
-    sums, sq, lo, hi = per_row
-    if tails is not None:   # min and max of the last rows without their padding
-        lo[last.numpy()] = np.where(valid, tails, np.inf).min(1)
-        hi[last.numpy()] = np.where(valid, tails, -np.inf).max(1)
     # NaN/Inf inside (or an overflow): exact counts and stats of the finite values,
-    # taken before `abs_` overwrites the copy
-    total = _totals(segs, sums)
-    exact = {j: nonfinite_row(flat.narrow(0, segs[j][2] * CHUNK, segs[j][3]))
-             for j in np.flatnonzero(~np.isfinite(total))}
-    absum = v.abs_().sum(1).double().numpy()      # in place: the copy is ours
-    _combine(segs, total, absum, sq, lo, hi, stats)
+    # taken before `abs_` overwrites the copy (finite float32 row sums add up to a
+    # finite float64 total: only a non-finite row needs a look)
+    exact = {}
+    if not np.isfinite(sums.numpy()).all():
+        total = np.add.reduceat(sums.double().numpy(), lay.r0)
+        exact = {j: nonfinite_row(flat.narrow(0, segs[j][2] * CHUNK, segs[j][3]))
+                 for j in np.flatnonzero(~np.isfinite(total))}
+    absum = v.abs_().sum(1)      # in place: the copy is ours
+    _combine(lay, torch.stack([sums, norm2, lo, hi, absum]).double().numpy(), stats)
     for j, row in exact.items():
         stats[segs[j][0]] = row
     if picked is not None:
@@ -198,46 +207,33 @@ class DeviceStaged:
     def __init__(self, batch: TensorBatch):
         self.batch = batch
         self.tensors: list = []
-        self.blocks: list = []    # (view, segs, size, has tails, picked, norm rows)
+        self.blocks: list = []    # (view, segs, sample size, _Layout, norm rows)
 
     def add_block(self, v, segs, size) -> None:
         flat = v.view(-1)
-        gather, pad, last, _, pad_mask = _layout(segs, size, v.device)
-        flat.index_fill_(0, pad, 0.0)
+        lay = _layout(segs, size, v.device)
         self.tensors.append(torch.stack([
-            v.sum(1), torch.linalg.vector_norm(v, dim=1), v.amin(1), v.amax(1),
+            *_row_stats(v, lay.pad),
             torch.linalg.vector_norm(v, 1, dim=1)]))   # |x| sums: the copy stays intact
-        tails = len(last) > 0
-        if tails:          # min and max of the last rows without their padding
-            t = v.index_select(0, last)
-            self.tensors.append(torch.stack([t.masked_fill(pad_mask, math.inf).amin(1),
-                                             t.masked_fill(pad_mask, -math.inf).amax(1)]))
         if size:
-            self.tensors.append(flat.index_select(0, gather))
+            self.tensors.append(flat.index_select(0, lay.gather))
         norm_rows = []
         for s in segs:
             if s[5] is not None and len(s[4]):
                 seg = flat.narrow(0, s[2] * CHUNK, s[3]).view(s[4])
                 self.tensors.append(per_sample_norms(seg, s[5]))
                 norm_rows.append(s[0])
-        self.blocks.append((v, segs, size, tails, size > 0, norm_rows))
+        self.blocks.append((v, segs, size, lay, norm_rows))
 
     def finish(self, host: list, stats: np.ndarray, samples: dict, norms: dict) -> None:
         """HOST: `tensors` as float64 numpy arrays (flat, same order). On the writer
         thread, after the transfer; gives the blocks back."""
         try:
             k = 0
-            for v, segs, size, tails, picked, norm_rows in self.blocks:
-                sums, sq, lo, hi, absum = host[k].reshape(5, -1)
+            for v, segs, size, lay, norm_rows in self.blocks:
+                total = _combine(lay, host[k].reshape(5, -1), stats)
                 k += 1
-                if tails:
-                    lo_t, hi_t = host[k].reshape(2, -1)
-                    k += 1
-                    idx = [(s[2] * CHUNK + s[3]) // CHUNK for s in segs if s[3] % CHUNK]
-                    lo[idx], hi[idx] = lo_t, hi_t
-                total = _totals(segs, sums)
-                _combine(segs, total, absum, sq, lo, hi, stats)
-                if picked:
+                if size:
                     _split_samples(segs, host[k], size, samples)
                     k += 1
                 for row in norm_rows:
@@ -251,23 +247,30 @@ class DeviceStaged:
             self.batch._give_back()
 
 
-def _layout(segs: list, size: int, device) -> tuple:
-    """For a block's tensors (cached per layout, on DEVICE): the flat positions of every
-    sample, of the padding, the partly filled last rows, their [rows, CHUNK] mask of
-    values (numpy) and of padding (a bool tensor on DEVICE, for masked_fill)."""
-    key = (device, tuple((s[2], s[3]) for s in segs), size)
+class _Layout:
+    """Where a block's tensors lie (cached per layout): on the block's device the flat
+    positions of every sample (`gather`) and of the padding after each tensor (`pad`);
+    on the host each tensor's first block row (`r0`), stats row (`rows`) and size (`n`)."""
+
+    __slots__ = ("gather", "pad", "r0", "rows", "n")
+
+    def __init__(self, segs: list, size: int, device):
+        gather = [torch.arange(n) + r0 * CHUNK if n <= size
+                  else sample_index(n, size, "cpu") + r0 * CHUNK for _, _, r0, n, *_ in segs]
+        pad = [torch.arange(r0 * CHUNK + n, (r0 + -(-n // CHUNK)) * CHUNK)
+               for _, _, r0, n, *_ in segs if n % CHUNK]
+        self.gather = (torch.cat(gather) if gather else torch.zeros(0, dtype=torch.long)).to(device)
+        self.pad = (torch.cat(pad) if pad else torch.zeros(0, dtype=torch.long)).to(device)
+        self.rows = np.array([s[0] for s in segs], np.int64)
+        self.r0 = np.array([s[2] for s in segs], np.int64)
+        self.n = np.array([s[3] for s in segs], np.int64)
+
+
+def _layout(segs: list, size: int, device) -> _Layout:
+    key = (device, size, tuple(s[:4:2] + s[3:4] for s in segs))
     got = _LAYOUTS.get(key)
     if got is None:
-        gather = [torch.arange(n) + r0 * CHUNK if n <= size
-                  else sample_index(n, size, "cpu") + r0 * CHUNK for r0, n in key[1]]
-        ends = [(r0 * CHUNK + n, n % CHUNK) for r0, n in key[1] if n % CHUNK]
-        pad = [torch.arange(e, e + CHUNK - t) for e, t in ends]
-        valid = np.arange(CHUNK) < np.array([t for _, t in ends], np.int64)[:, None]
-        got = tuple(x.to(device) for x in (   # (once per layout: a copy to the device)
-            torch.cat(gather) if gather else torch.zeros(0, dtype=torch.long),
-            torch.cat(pad) if pad else torch.zeros(0, dtype=torch.long),
-            torch.tensor([e // CHUNK for e, _ in ends], dtype=torch.long)))
-        got += (valid, torch.from_numpy(~valid).to(device))
+        got = _Layout(segs, size, device)    # (once per layout: copies to the device)
         if len(_LAYOUTS) >= _LAYOUTS_MAX:
             _LAYOUTS.clear()
         _LAYOUTS[key] = got
