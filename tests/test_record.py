@@ -419,8 +419,8 @@ def test_the_device_batch_path_matches_torch_and_the_cpu_path():
           -torch.rand(1500, generator=g) - 1]              # all negative: max is not 0 padding
     pool = BlockPool()
 
-    def run(staged):
-        b = TensorBatch(pool, "cpu")
+    def run(staged, roll_rows=0):
+        b = TensorBatch(pool, "cpu", 100, roll_rows)
         for i, t in enumerate(ts):
             b.add(i, t.reshape(-1), torch.float32, t.shape, 0 if t.dim() > 1 else None)
         rows, samples, norms = np.zeros((len(ts), 9)), {}, {}
@@ -433,6 +433,18 @@ def test_the_device_batch_path_matches_torch_and_the_cpu_path():
 
     (host, host_s, host_n), (dev, dev_s, dev_n) = run(False), run(True)
     np.testing.assert_allclose(dev, host, rtol=1e-6)
+    # blocks of at most 3 rows: reduced and refilled along the way (a large step on a
+    # GPU), with the NaN/Inf counted before the block is overwritten
+    rolled, rolled_s, rolled_n = run(True, roll_rows=3)
+    assert pool.hint[(torch.device("cpu"), torch.float32)] >= 3
+    finite = [i for i in range(len(ts)) if i != 3]
+    np.testing.assert_allclose(rolled[finite], host[finite], rtol=1e-6)
+    # the tensor with NaN/Inf: counts and sums exact, min/max count the zeros put there
+    np.testing.assert_allclose(rolled[3], [2, 4, 4, 10, 0, 3, 1, 1, 0], rtol=1e-6)
+    for k in host_s:
+        np.testing.assert_array_equal(rolled_s[k], host_s[k])
+    for k in host_n:
+        np.testing.assert_array_equal(rolled_n[k], host_n[k])
     assert dev_s.keys() == host_s.keys() == set(range(len(ts)))
     for k in host_s:
         np.testing.assert_array_equal(dev_s[k], host_s[k])

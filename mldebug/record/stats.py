@@ -13,10 +13,11 @@ passes; a copy would be one more pass over memory, for little overhead saved. Re
 CPU scalar costs nothing, so the non-finite counts (and stats of the finite values) are
 computed only for tensors whose sum is not finite.
 
-Other devices (CUDA): tensors up to DEVICE_BATCH values, up to DEVICE_BUDGET a step, are
-batched the same way (a kernel launch costs ~10 us of CPU time: one copy instead of ~10
-reductions); their reductions are queued when the step is staged and read with the
-step's transfer. Larger ones are reduced when seen; the results stay 0-d tensors on the
+Other devices (CUDA): tensors up to DEVICE_BATCH values are batched the same way (a
+kernel launch costs ~10 us of CPU time: one copy instead of ~10 reductions); their
+reductions are queued when the step is staged, or when DEVICE_BUDGET values of a dtype
+fill the blocks (the block is then filled again: bounded memory for any step), and read
+with the step's transfer. Larger ones are reduced when seen; the results stay 0-d tensors on the
 device and are never read back before the step ends: the counts are always computed and
 the stats come from `nan_to_num(x, 0, 0, 0)` (exact over the finite values; min/max then
 include the zeros put in place of NaN/Inf). `StepBatch.stage()` stacks them (one op per
@@ -32,14 +33,15 @@ import numpy as np
 import torch
 
 from .store import STAT_COLUMNS
-from .tensorbatch import BlockPool, TensorBatch, nonfinite_row, per_sample_norms, sample_index
+from .tensorbatch import CHUNK, BlockPool, TensorBatch, nonfinite_row, per_sample_norms, sample_index
 
 ROW = ("numel", "sum", "abs_sum", "sumsq", "min", "max", "nan", "posinf", "neginf")
 _NROW = len(ROW)
 _ACC = {torch.float64: torch.float64}
 BATCH = 1 << 15                # CPU tensors up to this many elements: copied, reduced later
-DEVICE_BATCH = 1 << 22         # the same on other devices (a copy costs little there)...
-DEVICE_BUDGET = 1 << 25        # ...up to this many values a step (128 MiB of float32)
+DEVICE_BATCH = 1 << 22         # the same on other devices (a copy costs little there),
+DEVICE_BUDGET = 1 << 25        # in blocks of at most this many values of a dtype (128 MiB
+                               # of float32), reduced and refilled when full
 
 
 def flat_of(t: torch.Tensor) -> torch.Tensor:
@@ -84,7 +86,6 @@ class StepBatch:
         self.pool = pool if pool is not None else BlockPool()
         self.cpu = TensorBatch(self.pool)
         self.on_device: dict = {}   # device -> TensorBatch
-        self.device_numel = 0
 
     def __len__(self):
         return len(self.rows)
@@ -100,11 +101,11 @@ class StepBatch:
         dev = flat.device
         if dev.type == "cpu":
             batch = self.cpu if 0 < n <= BATCH else None
-        elif 0 < n <= DEVICE_BATCH and self.device_numel + n <= DEVICE_BUDGET:
+        elif 0 < n <= DEVICE_BATCH:
             batch = self.on_device.get(dev)
             if batch is None:
-                batch = self.on_device[dev] = TensorBatch(self.pool, dev)
-            self.device_numel += n
+                batch = self.on_device[dev] = TensorBatch(self.pool, dev, self.sample_size,
+                                                          DEVICE_BUDGET // CHUNK)
         else:
             batch = None
         if batch is not None:
@@ -194,7 +195,7 @@ class StepBatch:
             self.cpu.reduce(fixed, *cpu, self.sample_size)
         self.rows, self.samples, self.norms = [], [], []
         self.cpu = TensorBatch(self.pool)
-        self.on_device, self.device_numel = {}, 0
+        self.on_device = {}
         return k, fixed, staged, cpu
 
     def finish(self) -> dict:

@@ -44,10 +44,11 @@ class BlockPool:
         self._lock = threading.Lock()
         self.hint: dict = {}      # (device, dtype) -> most rows one step used so far
 
-    def take(self, dtype, rows: int, device=None) -> torch.Tensor:
-        """A block of at least ROWS rows, and at least what a step used so far."""
+    def take(self, dtype, rows: int, device=None, want: Optional[int] = None) -> torch.Tensor:
+        """A block of at least ROWS rows: WANT rows if new, by default what a step used so
+        far."""
         device = torch.device(device or "cpu")
-        rows = max(rows, self.hint.get((device, dtype), _ROWS0))
+        rows = max(rows, self.hint.get((device, dtype), _ROWS0)) if want is None else want
         with self._lock:
             for j, b in enumerate(self._free):
                 if b.dtype == dtype and b.device == device and b.shape[0] >= rows:
@@ -63,18 +64,28 @@ class BlockPool:
 
 class TensorBatch:
     """Copies of a step's tensors of one device; `reduce` (CPU) or `stage` (other
-    devices) fills their stats rows."""
+    devices) fills their stats rows.
 
-    def __init__(self, pool: BlockPool, device=None):
+    On a device the blocks of one dtype hold at most ROLL_ROWS rows in all: when they are
+    full, the open block's reductions are queued at once (`DeviceStaged.add_block`,
+    rolled) and the block is filled again from its first row. The stream runs the
+    reductions before the copies that follow, so memory stays bounded whatever the size
+    of the step, at one copy launch per tensor."""
+
+    def __init__(self, pool: BlockPool, device=None, size: int = 0, roll_rows: int = 0):
         self.pool = pool
         self.device = torch.device(device or "cpu")
+        self.size = size          # sample size (what a rolled block gathers)
+        self.roll_rows = roll_rows
         self.blocks: list = []    # [block, dtype, rows used, block.view(-1)]
         self.open: dict = {}      # dtype -> index in blocks being filled
         self.segs: list = []      # (stats row, block index, first row, numel, shape, batch_dim)
         self.numel = 0            # values copied so far
+        self.rows: dict = {}      # dtype -> rows allocated this step
+        self.rolled: Optional[DeviceStaged] = None
 
     def __bool__(self):
-        return bool(self.segs)
+        return bool(self.segs) or self.rolled is not None
 
     def add(self, row: int, flat: torch.Tensor, dtype, shape=None,
             batch_dim: Optional[int] = None) -> None:
@@ -84,9 +95,18 @@ class TensorBatch:
         k = -(-n // CHUNK)
         b = self.open.get(dtype)
         if b is None or self.blocks[b][2] + k > self.blocks[b][0].shape[0]:
-            b = self.open[dtype] = len(self.blocks)
-            blk = self.pool.take(dtype, k, self.device)
-            self.blocks.append([blk, dtype, 0, blk.view(-1)])
+            have = self.rows.get(dtype, 0)
+            if b is not None and self.roll_rows and have + k > self.roll_rows \
+                    and self.blocks[b][0].shape[0] >= k:
+                self._roll(b)
+            else:
+                want = k if not self.roll_rows else min(
+                    max(k, self.pool.hint.get((self.device, dtype), _ROWS0)),
+                    max(k, self.roll_rows - have))
+                b = self.open[dtype] = len(self.blocks)
+                blk = self.pool.take(dtype, k, self.device, want)
+                self.rows[dtype] = have + blk.shape[0]
+                self.blocks.append([blk, dtype, 0, blk.view(-1)])
         blk = self.blocks[b]
         r0 = blk[2]
         blk[3].narrow(0, r0 * CHUNK, n).copy_(flat)
@@ -94,13 +114,24 @@ class TensorBatch:
         self.segs.append((row, b, r0, n, shape, batch_dim))
         self.numel += n
 
+    def _roll(self, b: int) -> None:
+        """Queue block B's reductions now (its values are overwritten after them)."""
+        segs = [s for s in self.segs if s[1] == b]
+        if self.rolled is None:
+            self.rolled = DeviceStaged(self)
+        blk = self.blocks[b]
+        self.rolled.add_block(blk[0][:blk[2]], segs, self.size, rolled=True)
+        self.segs = [s for s in self.segs if s[1] != b]
+        blk[2] = 0
+
     def _note_use(self) -> None:
         used: dict = {}
         for _, dtype, rows, _ in self.blocks:   # how much a step takes
             used[dtype] = used.get(dtype, 0) + rows
         for dtype, rows in used.items():
             key = (self.device, dtype)
-            self.pool.hint[key] = max(self.pool.hint.get(key, 0), rows)
+            self.pool.hint[key] = max(self.pool.hint.get(key, 0), rows,
+                                      self.rows.get(dtype, 0) if self.rolled else 0)
 
     def _per_block(self):
         for b, (blk, _, rows, _) in enumerate(self.blocks):
@@ -123,7 +154,7 @@ class TensorBatch:
         """Another device: queue every reduction (no read); the result's `tensors` go to
         the host with the step's one transfer, then its `finish` fills the rows."""
         self._note_use()
-        staged = DeviceStaged(self)
+        staged = self.rolled if self.rolled is not None else DeviceStaged(self)
         try:
             for v, segs in self._per_block():
                 staged.add_block(v, segs, size)
@@ -134,7 +165,7 @@ class TensorBatch:
 
     def _give_back(self) -> None:
         self.pool.give([blk[0] for blk in self.blocks])
-        self.blocks, self.segs, self.open = [], [], {}
+        self.blocks, self.segs, self.open, self.rows, self.rolled = [], [], {}, {}, None
 
 
 def _combine(lay: "_Layout", per_row: np.ndarray, stats: np.ndarray) -> np.ndarray:
@@ -207,14 +238,14 @@ class DeviceStaged:
     def __init__(self, batch: TensorBatch):
         self.batch = batch
         self.tensors: list = []
-        self.blocks: list = []    # (view, segs, sample size, _Layout, norm rows)
+        self.blocks: list = []    # (view, segs, sample size, _Layout, norm rows, rolled)
 
-    def add_block(self, v, segs, size) -> None:
+    def add_block(self, v, segs, size, rolled: bool = False) -> None:
+        """Queue block view V's reductions. ROLLED: V is filled again after them, so there
+        is no copy to recount a non-finite tensor from later: NaN/+Inf/-Inf are counted
+        per row now and set to 0 (min/max of such a row then count those zeros)."""
         flat = v.view(-1)
         lay = _layout(segs, size, v.device)
-        self.tensors.append(torch.stack([
-            *_row_stats(v, lay.pad),
-            torch.linalg.vector_norm(v, 1, dim=1)]))   # |x| sums: the copy stays intact
         if size:
             self.tensors.append(flat.index_select(0, lay.gather))
         norm_rows = []
@@ -223,24 +254,52 @@ class DeviceStaged:
                 seg = flat.narrow(0, s[2] * CHUNK, s[3]).view(s[4])
                 self.tensors.append(per_sample_norms(seg, s[5]))
                 norm_rows.append(s[0])
-        self.blocks.append((v, segs, size, lay, norm_rows))
+        counts = []
+        if rolled:
+            if len(lay.pad):     # (what the block held before: not counted)
+                flat.index_fill_(0, lay.pad, 0.0)
+            counts = [torch.isnan(v).sum(1), (v == math.inf).sum(1), (v == -math.inf).sum(1)]
+            v.nan_to_num_(0.0, 0.0, 0.0)
+        s, norm, lo, hi = _row_stats(v, lay.pad)
+        # per row [Σx, Σx², Σ|x|, (NaN, +Inf, -Inf)], then min, max; added up per tensor
+        # here in float64 (what goes to the host is a few numbers a tensor, not a row)
+        per_row = torch.stack([s, norm, torch.linalg.vector_norm(v, 1, dim=1),
+                               *[c.to(v.dtype) for c in counts], lo, hi]).double()
+        per_row[1].square_()
+        c, owner = len(per_row) - 2, lay.owner      # owner: each row's tensor
+        out = torch.empty((c + 2, len(segs)), dtype=torch.float64, device=v.device)
+        out[:c].zero_().index_add_(1, owner, per_row[:c])
+        out[c].fill_(math.inf).scatter_reduce_(0, owner, per_row[c], "amin")
+        out[c + 1].fill_(-math.inf).scatter_reduce_(0, owner, per_row[c + 1], "amax")
+        self.tensors.append(out)
+        self.blocks.append((v, segs, size, lay, norm_rows, rolled))
 
     def finish(self, host: list, stats: np.ndarray, samples: dict, norms: dict) -> None:
         """HOST: `tensors` as float64 numpy arrays (flat, same order). On the writer
         thread, after the transfer; gives the blocks back."""
         try:
             k = 0
-            for v, segs, size, lay, norm_rows in self.blocks:
-                total = _combine(lay, host[k].reshape(5, -1), stats)
-                k += 1
+            for v, segs, size, lay, norm_rows, rolled in self.blocks:
                 if size:
                     _split_samples(segs, host[k], size, samples)
                     k += 1
                 for row in norm_rows:
                     norms[row] = host[k].astype(np.float32)
                     k += 1
+                per_tensor = host[k].reshape(-1, len(segs))   # [Σx, Σx², Σ|x|, (counts), min, max]
+                k += 1
+                out = np.zeros((len(segs), stats.shape[1]))
+                out[:, 0] = lay.n
+                out[:, 1], out[:, 3], out[:, 2] = per_tensor[:3]
+                out[:, 4:6] = per_tensor[-2:].T
+                if rolled:
+                    out[:, 6:] = per_tensor[3:6].T
+                    out[:, 0] -= per_tensor[3:6].sum(0)
+                stats[lay.rows] = out
+                if rolled:
+                    continue
                 flat = v.view(-1)
-                for j in np.flatnonzero(~np.isfinite(total)):   # rare: read that copy
+                for j in np.flatnonzero(~np.isfinite(per_tensor[0])):   # rare: read that copy
                     s = segs[j]
                     stats[s[0]] = nonfinite_row(flat.narrow(0, s[2] * CHUNK, s[3]).cpu())
         finally:
@@ -249,10 +308,11 @@ class DeviceStaged:
 
 class _Layout:
     """Where a block's tensors lie (cached per layout): on the block's device the flat
-    positions of every sample (`gather`) and of the padding after each tensor (`pad`);
-    on the host each tensor's first block row (`r0`), stats row (`rows`) and size (`n`)."""
+    positions of every sample (`gather`) and of the padding after each tensor (`pad`),
+    and which tensor each row holds (`owner`); on the host each tensor's first block row
+    (`r0`), stats row (`rows`) and size (`n`)."""
 
-    __slots__ = ("gather", "pad", "r0", "rows", "n")
+    __slots__ = ("gather", "pad", "r0", "rows", "n", "owner")
 
     def __init__(self, segs: list, size: int, device):
         gather = [torch.arange(n) + r0 * CHUNK if n <= size
@@ -264,6 +324,9 @@ class _Layout:
         self.rows = np.array([s[0] for s in segs], np.int64)
         self.r0 = np.array([s[2] for s in segs], np.int64)
         self.n = np.array([s[3] for s in segs], np.int64)
+        self.owner = torch.repeat_interleave(      # each block row's tensor (0, 1, ...)
+            torch.arange(len(segs)), torch.tensor([-(-s[3] // CHUNK) for s in segs],
+                                                  dtype=torch.long)).to(device)
 
 
 def _layout(segs: list, size: int, device) -> _Layout:
