@@ -489,3 +489,19 @@ def test_histograms_of_many_rows_at_once_match_numpy_row_by_row():
                 ref[0] = len(inside)
             assert list(counts[r, 1:-1]) == list(ref), r
             assert (counts[r, 0], counts[r, -1]) == (below, above), r
+
+
+def test_a_step_of_small_tensors_fills_one_block():
+    """The CPU batch copies a step's small tensors into one block (one reduction per
+    block, not per tensor); a device batch refills a full block instead of growing."""
+    from mldebug.record.tensorbatch import BlockPool, TensorBatch
+    pool = BlockPool()
+    cpu = TensorBatch(pool, "cpu")
+    for i in range(40):
+        cpu.add(i, torch.randn(1000), torch.float32)
+    assert len(cpu.blocks) == 1 and cpu.rolled is None
+    rolling = TensorBatch(pool, "cpu", 16, roll_rows=8)
+    for i in range(40):
+        rolling.add(i, torch.randn(1000), torch.float32)
+    assert len(rolling.blocks) == 1 and rolling.blocks[0][0].shape[0] == 8
+    assert len(rolling.rolled.blocks) == 4      # 40 rows in blocks of 8: four refills

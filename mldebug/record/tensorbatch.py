@@ -100,7 +100,7 @@ class TensorBatch:
                     and self.blocks[b][0].shape[0] >= k:
                 self._roll(b)
             else:
-                want = k if not self.roll_rows else min(
+                want = None if not self.roll_rows else min(      # (None: the hint)
                     max(k, self.pool.hint.get((self.device, dtype), _ROWS0)),
                     max(k, self.roll_rows - have))
                 b = self.open[dtype] = len(self.blocks)
