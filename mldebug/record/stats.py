@@ -208,7 +208,7 @@ class StepBatch:
         return all(d["device"].type == "cpu" for d in staged[2])
 
     def finish_staged(self, staged: tuple) -> dict:
-        """Host numpy arrays: the `describe_rows` columns [K], hist [K, bins] int64, lo,
+        """Host numpy arrays: stats [K, 10] (`describe_rows`), hist [K, bins] int64, lo,
         hi [K], below, above, sample_n [K] int64, norms {row: float32 array}. One host
         transfer per device."""
         k, stats, parts_by_device, cpu = staged
