@@ -505,3 +505,10 @@ def test_a_step_of_small_tensors_fills_one_block():
         rolling.add(i, torch.randn(1000), torch.float32)
     assert len(rolling.blocks) == 1 and rolling.blocks[0][0].shape[0] == 8
     assert len(rolling.rolled.blocks) == 4      # 40 rows in blocks of 8: four refills
+    # once the cap is reached, a tensor that the open block cannot take goes to a larger
+    # block of the step (refilled), not to a new one
+    mixed = TensorBatch(BlockPool(), "cpu", 16, roll_rows=8)
+    mixed.pool.hint[(torch.device("cpu"), torch.float32)] = 6
+    for i, rows in enumerate([6, 1, 1, 5, 2, 6, 1] * 3):
+        mixed.add(i, torch.randn(rows * 1024 - 5), torch.float32)
+    assert sorted(b[0].shape[0] for b in mixed.blocks) == [2, 6]

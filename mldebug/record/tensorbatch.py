@@ -95,18 +95,7 @@ class TensorBatch:
         k = -(-n // CHUNK)
         b = self.open.get(dtype)
         if b is None or self.blocks[b][2] + k > self.blocks[b][0].shape[0]:
-            have = self.rows.get(dtype, 0)
-            if b is not None and self.roll_rows and have + k > self.roll_rows \
-                    and self.blocks[b][0].shape[0] >= k:
-                self._roll(b)
-            else:
-                want = None if not self.roll_rows else min(      # (None: the hint)
-                    max(k, self.pool.hint.get((self.device, dtype), _ROWS0)),
-                    max(k, self.roll_rows - have))
-                b = self.open[dtype] = len(self.blocks)
-                blk = self.pool.take(dtype, k, self.device, want)
-                self.rows[dtype] = have + blk.shape[0]
-                self.blocks.append([blk, dtype, 0, blk.view(-1)])
+            b = self.open[dtype] = self._block_for(dtype, k)
         blk = self.blocks[b]
         r0 = blk[2]
         blk[3].narrow(0, r0 * CHUNK, n).copy_(flat)
@@ -114,14 +103,34 @@ class TensorBatch:
         self.segs.append((row, b, r0, n, shape, batch_dim))
         self.numel += n
 
+    def _block_for(self, dtype, k: int) -> int:
+        """The block the next K rows of DTYPE go to: a new one, unless this step's blocks
+        of DTYPE already hold ROLL_ROWS rows (device only): then the largest of them that
+        fits, its reductions queued first and its rows reused."""
+        have = self.rows.get(dtype, 0)
+        if self.roll_rows and have + k > self.roll_rows:
+            fit = [j for j, x in enumerate(self.blocks) if x[1] == dtype and x[0].shape[0] >= k]
+            if fit:
+                b = max(fit, key=lambda j: self.blocks[j][0].shape[0])
+                self._roll(b)
+                return b
+        want = None if not self.roll_rows else min(      # (None: the pool's hint)
+            max(k, self.pool.hint.get((self.device, dtype), _ROWS0)),
+            max(k, self.roll_rows - have))
+        blk = self.pool.take(dtype, k, self.device, want)
+        self.rows[dtype] = have + blk.shape[0]
+        self.blocks.append([blk, dtype, 0, blk.view(-1)])
+        return len(self.blocks) - 1
+
     def _roll(self, b: int) -> None:
         """Queue block B's reductions now (its values are overwritten after them)."""
         segs = [s for s in self.segs if s[1] == b]
-        if self.rolled is None:
-            self.rolled = DeviceStaged(self)
         blk = self.blocks[b]
-        self.rolled.add_block(blk[0][:blk[2]], segs, self.size, rolled=True)
-        self.segs = [s for s in self.segs if s[1] != b]
+        if segs:
+            if self.rolled is None:
+                self.rolled = DeviceStaged(self)
+            self.rolled.add_block(blk[0][:blk[2]], segs, self.size, rolled=True)
+            self.segs = [s for s in self.segs if s[1] != b]
         blk[2] = 0
 
     def _note_use(self) -> None:
