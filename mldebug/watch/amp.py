@@ -100,10 +100,12 @@ class LossScaling:
         self.overflowed = True
         return True
 
-    def note_for_stop(self) -> str:
-        """What a backward stop says when the scaler's overflows no longer excuse it."""
-        if self.active and self.in_a_row >= MAX_SKIPS:
-            return (f"GradScaler found non-finite gradients in {self.in_a_row} backwards "
-                    "in a row (its scale fell ~65536-fold): they are non-finite at any "
-                    "scale, not an overflow of the loss scale")
-        return ""
+    def with_note(self, text: str) -> str:
+        """TEXT of a backward stop, with why the scaler's overflows no longer excuse it
+        when that is the case."""
+        if not (self.active and self.in_a_row >= MAX_SKIPS):
+            return text
+        why = (f"GradScaler found non-finite gradients in {self.in_a_row} backwards "
+               "in a row (its scale fell ~65536-fold): they are non-finite at any "
+               "scale, not an overflow of the loss scale")
+        return f"{text}; {why}" if text else why

@@ -754,9 +754,8 @@ class Watch(TieredChecks):
         if stop and (info.name.startswith(SCALER_OPS) or (
                 stage == "backward" and self._amp.excuses(dtype or bad.dtype))):
             stop = False   # a loss scaler's overflow: GradScaler skips this step
-        why = self._amp.note_for_stop() if stop and stage == "backward" else ""
-        if why:
-            text = f"{text}; {why}" if text else why
+        if stop and stage == "backward":
+            text = self._amp.with_note(text)
         # everything judged here is known from now on: propagation is not a new stop
         self._taint_add(bad, out_nan, posinf + neginf > 0, stop or lineage)
         for r in nonfinite:

@@ -560,9 +560,8 @@ class TieredChecks:
             return
         if stage == "backward" and self._amp.excuses():
             return            # a loss scaler's overflow: GradScaler skips this step
-        if stage == "backward" and self._amp.note_for_stop():
-            why = self._amp.note_for_stop()
-            reason = f"{reason}; {why}" if reason else why
+        if stage == "backward":
+            reason = self._amp.with_note(reason)
         from ..session import Violation
         frame = _frames.user_frame(_caller(1))
         file, line, function = _frames.location(frame)

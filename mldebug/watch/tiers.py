@@ -278,8 +278,9 @@ def any_nonfinite_sum(tensors) -> bool:
 
 
 def device_total(xs):
-    """Σ|x| over tensors of one device, as a 0-d float32 tensor (not read): NaN/Inf when
-    any holds one (or, rarely, when finite values overflow). On a GPU a sum per tensor
+    """A total over tensors of one device, as a 0-d float32 tensor (not read): NaN/Inf
+    when any holds one (or, rarely, when finite values overflow). On a device it is
+    Σ|x| (`_foreach_norm`), else plain sums. On a GPU a sum per tensor
     is a kernel launch each (~10 us of CPU time: most of the watch's cost on a
     launch-bound model); `_foreach_norm` covers a list in a few fused launches."""
     if len(xs) == 1:
