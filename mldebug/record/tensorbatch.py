@@ -177,19 +177,42 @@ class TensorBatch:
         self.blocks, self.segs, self.open, self.rows, self.rolled = [], [], {}, {}, None
 
 
-def _combine(lay: "_Layout", per_row: np.ndarray, stats: np.ndarray) -> np.ndarray:
+def _put_rows(lay: "_Layout", stats: np.ndarray, s, absum, sumsq, lo, hi,
+              counts=None) -> None:
+    """Each tensor's totals (host arrays, one value a tensor) -> its STATS row
+    (`stats.ROW`); COUNTS [3, tensors]: NaN, +Inf, -Inf, not among the finite values."""
+    out = np.zeros((len(lay.rows), stats.shape[1]))
+    out[:, 0] = lay.n
+    out[:, 1], out[:, 2], out[:, 3], out[:, 4], out[:, 5] = s, absum, sumsq, lo, hi
+    if counts is not None:
+        out[:, 6:] = counts.T
+        out[:, 0] -= counts.sum(0)
+    stats[lay.rows] = out
+
+
+def _combine(lay: "_Layout", per_row: np.ndarray, stats: np.ndarray) -> None:
     """Per-row results [5, rows] (host, float64: Σx, ‖x‖₂, min, max, Σ|x|) -> the
-    tensors' stats rows; returns their totals (a non-finite one is recounted)."""
+    tensors' stats rows."""
     s, norm, lo, hi, absum = per_row
     with np.errstate(invalid="ignore", over="ignore"):
-        sums = np.add.reduceat(np.stack([s, absum, norm * norm]), lay.r0, axis=1)
-        out = np.zeros((len(lay.r0), stats.shape[1]))
-        out[:, 0] = lay.n
-        out[:, 1:4] = sums.T
-        out[:, 4] = np.minimum.reduceat(lo, lay.r0)
-        out[:, 5] = np.maximum.reduceat(hi, lay.r0)
-    stats[lay.rows] = out
-    return sums[0]
+        s, absum, sumsq = np.add.reduceat(np.stack([s, absum, norm * norm]), lay.r0, axis=1)
+        _put_rows(lay, stats, s, absum, sumsq, np.minimum.reduceat(lo, lay.r0),
+                  np.maximum.reduceat(hi, lay.r0))
+
+
+def _recounted(flat: torch.Tensor, segs: list, totals: np.ndarray) -> dict:
+    """{stats row: exact row} of the tensors whose total is not finite, from their copy
+    in block FLAT (NaN/Inf inside, or an overflow: rare)."""
+    return {segs[j][0]: nonfinite_row(flat.narrow(0, segs[j][2] * CHUNK, segs[j][3]))
+            for j in np.flatnonzero(~np.isfinite(totals))}
+
+
+def _sample_norms(flat: torch.Tensor, segs: list):
+    """(stats row, per-sample L2 norms) of each tensor in block FLAT copied with a batch
+    dimension."""
+    for s in segs:
+        if s[5] is not None and len(s[4]):
+            yield s[0], per_sample_norms(flat.narrow(0, s[2] * CHUNK, s[3]).view(s[4]), s[5])
 
 
 def _row_stats(v: torch.Tensor, pad: torch.Tensor) -> list:
@@ -212,22 +235,18 @@ def _reduce_block(v, segs, stats, samples, norms, size) -> None:
     lay = _layout(segs, size, v.device)
     sums, norm2, lo, hi = _row_stats(v, lay.pad)
     picked = flat.index_select(0, lay.gather).double().numpy() if size else None
-    for s in segs:
-        if s[5] is not None and len(s[4]):
-            seg = flat.narrow(0, s[2] * CHUNK, s[3]).view(s[4])
-            norms[s[0]] = per_sample_norms(seg, s[5]).numpy().copy()
-    # NaN/Inf inside (or an overflow): exact counts and stats of the finite values,
-    # taken before `abs_` overwrites the copy (finite float32 row sums add up to a
-    # finite float64 total: only a non-finite row needs a look)
+    for row, x in _sample_norms(flat, segs):
+        norms[row] = x.numpy().copy()
+    # exact counts and stats of the finite values, taken before `abs_` overwrites the
+    # copy (finite float32 row sums add up to a finite float64 total: only a non-finite
+    # row needs a look)
     exact = {}
     if not np.isfinite(sums.numpy()).all():
-        total = np.add.reduceat(sums.double().numpy(), lay.r0)
-        exact = {j: nonfinite_row(flat.narrow(0, segs[j][2] * CHUNK, segs[j][3]))
-                 for j in np.flatnonzero(~np.isfinite(total))}
+        exact = _recounted(flat, segs, np.add.reduceat(sums.double().numpy(), lay.r0))
     absum = v.abs_().sum(1)      # in place: the copy is ours
     _combine(lay, torch.stack([sums, norm2, lo, hi, absum]).double().numpy(), stats)
-    for j, row in exact.items():
-        stats[segs[j][0]] = row
+    for row, values in exact.items():
+        stats[row] = values
     if picked is not None:
         _split_samples(segs, picked, size, samples)
 
@@ -258,11 +277,9 @@ class DeviceStaged:
         if size:
             self.tensors.append(flat.index_select(0, lay.gather))
         norm_rows = []
-        for s in segs:
-            if s[5] is not None and len(s[4]):
-                seg = flat.narrow(0, s[2] * CHUNK, s[3]).view(s[4])
-                self.tensors.append(per_sample_norms(seg, s[5]))
-                norm_rows.append(s[0])
+        for row, x in _sample_norms(flat, segs):
+            self.tensors.append(x)
+            norm_rows.append(row)
         counts = []
         if rolled:
             if len(lay.pad):     # (what the block held before: not counted)
@@ -295,22 +312,15 @@ class DeviceStaged:
                 for row in norm_rows:
                     norms[row] = host[k].astype(np.float32)
                     k += 1
-                per_tensor = host[k].reshape(-1, len(segs))   # [Σx, Σx², Σ|x|, (counts), min, max]
+                # [Σx, Σx², Σ|x|, (NaN, +Inf, -Inf), min, max] per tensor
+                per_tensor = host[k].reshape(-1, len(segs))
                 k += 1
-                out = np.zeros((len(segs), stats.shape[1]))
-                out[:, 0] = lay.n
-                out[:, 1], out[:, 3], out[:, 2] = per_tensor[:3]
-                out[:, 4:6] = per_tensor[-2:].T
-                if rolled:
-                    out[:, 6:] = per_tensor[3:6].T
-                    out[:, 0] -= per_tensor[3:6].sum(0)
-                stats[lay.rows] = out
-                if rolled:
-                    continue
-                flat = v.view(-1)
-                for j in np.flatnonzero(~np.isfinite(per_tensor[0])):   # rare: read that copy
-                    s = segs[j]
-                    stats[s[0]] = nonfinite_row(flat.narrow(0, s[2] * CHUNK, s[3]).cpu())
+                s, sumsq, absum = per_tensor[:3]
+                _put_rows(lay, stats, s, absum, sumsq, *per_tensor[-2:],
+                          per_tensor[3:6] if rolled else None)
+                if not rolled:     # (a refilled block's copy is gone: counted before)
+                    for row, values in _recounted(v.view(-1), segs, s).items():
+                        stats[row] = values
         finally:
             self.batch._give_back()
 
@@ -351,7 +361,7 @@ def _layout(segs: list, size: int, device) -> _Layout:
 
 def nonfinite_row(x: torch.Tensor) -> list:
     """[finite count, sum, |x| sum, Σx², min, max of the finite values, nan, +inf, -inf]."""
-    a = x.double().numpy()
+    a = x.cpu().double().numpy()
     fin = a[np.isfinite(a)]
     body = ([fin.sum(), np.abs(fin).sum(), np.dot(fin, fin), fin.min(), fin.max()]
             if len(fin) else [0.0, 0.0, 0.0, math.nan, math.nan])
