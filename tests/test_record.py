@@ -410,7 +410,9 @@ def test_an_empty_batch_is_recorded_without_a_warning(tmp_path):
 def test_the_device_batch_path_matches_torch_and_the_cpu_path():
     """A GPU step's small tensors are copied into blocks whose reductions are queued
     (`stage`) and read on the writer thread (`finish`); run here on the CPU, it must
-    give what the CPU path and torch give, NaN/Inf and padding included."""
+    give what the CPU path (`hostbatch`, numpy) and torch give, NaN/Inf and padding
+    included."""
+    from mldebug.record.hostbatch import HostBatch, HostPool
     from mldebug.record.tensorbatch import BlockPool, TensorBatch
     g = torch.Generator().manual_seed(0)
     ts = [torch.randn(5, 16, generator=g), torch.randn(3000, generator=g) * 1e3,
@@ -421,7 +423,8 @@ def test_the_device_batch_path_matches_torch_and_the_cpu_path():
 
     def run(staged, roll_rows=0):
         # (a GPU's pool never holds a block above its cap: a fresh pool for the rolled run)
-        b = TensorBatch(pool if not roll_rows else BlockPool(), "cpu", 100, roll_rows)
+        b = (TensorBatch(pool if not roll_rows else BlockPool(), "cpu", 100, roll_rows)
+             if staged else HostBatch(HostPool()))
         for i, t in enumerate(ts):
             b.add(i, t.reshape(-1), torch.float32, t.shape, 0 if t.dim() > 1 else None)
         rows, samples, norms = np.zeros((len(ts), 9)), {}, {}
@@ -443,8 +446,8 @@ def test_the_device_batch_path_matches_torch_and_the_cpu_path():
     np.testing.assert_allclose(rolled[3], [2, 4, 4, 10, 0, 3, 1, 1, 0], rtol=1e-6)
     for k in host_s:
         np.testing.assert_array_equal(rolled_s[k], host_s[k])
-    for k in host_n:
-        np.testing.assert_array_equal(rolled_n[k], host_n[k])
+    for k in host_n:      # (numpy sums the squares in another order than torch)
+        np.testing.assert_allclose(rolled_n[k], host_n[k], rtol=1e-6)
     assert dev_s.keys() == host_s.keys() == set(range(len(ts)))
     for k in host_s:
         np.testing.assert_array_equal(dev_s[k], host_s[k])
@@ -456,6 +459,33 @@ def test_the_device_batch_path_matches_torch_and_the_cpu_path():
         assert dev[i, 1] == pytest.approx(t.sum().item(), abs=1e-6 * t.abs().sum().item())
         assert (dev[i, 4], dev[i, 5]) == (t.min().item(), t.max().item())
     assert list(dev[3]) == [2, 4, 4, 10, 1, 3, 1, 1, 0]   # finite stats, then the counts
+
+
+def test_the_cpu_batch_takes_norms_along_any_batch_dimension():
+    """`hostbatch` cuts Σx² at each sample when a tensor's samples lie one after another,
+    and falls back to torch otherwise (a batch dimension inside); every dtype is copied
+    as float32 (bfloat16 too), float64 as float64."""
+    from mldebug.record.hostbatch import HostBatch, HostPool
+    from mldebug.record.tensorbatch import per_sample_norms
+    g = torch.Generator().manual_seed(1)
+    cases = [(torch.randn(3, 5, 4, generator=g), 1),      # samples interleaved
+             (torch.randn(1, 6, 2, generator=g), 1),      # leading 1: still one after another
+             (torch.randn(4, 3, generator=g), -1),        # the last dimension
+             (torch.randn(7, generator=g), 0),            # one value a sample
+             (torch.randn(2, 8, generator=g).bfloat16(), 0),
+             (torch.randn(5, 2, generator=g).double(), 0)]
+    b = HostBatch(HostPool())
+    for i, (t, bd) in enumerate(cases):
+        acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+        b.add(i, t.reshape(-1), acc, t.shape, bd)
+    stats, norms = np.zeros((len(cases), 9)), {}
+    b.reduce(stats, {}, norms, 0)
+    for i, (t, bd) in enumerate(cases):
+        np.testing.assert_allclose(norms[i], per_sample_norms(t, bd).numpy(), rtol=1e-6)
+        x = t.double().reshape(-1)
+        np.testing.assert_allclose(stats[i, :6], [x.numel(), x.sum(), x.abs().sum(),
+                                                  x.square().sum(), x.min(), x.max()],
+                                   rtol=1e-6, atol=1e-6)
 
 
 def test_histograms_of_many_rows_at_once_match_numpy_row_by_row():
@@ -492,14 +522,21 @@ def test_histograms_of_many_rows_at_once_match_numpy_row_by_row():
 
 
 def test_a_step_of_small_tensors_fills_one_block():
-    """The CPU batch copies a step's small tensors into one block (one reduction per
-    block, not per tensor); a device batch refills a full block instead of growing."""
+    """The CPU batch copies a step's small tensors into one buffer (one reduction per
+    buffer, not per tensor), the next step's buffer sized by this one's; a device batch
+    refills a full block instead of growing."""
+    from mldebug.record.hostbatch import HostBatch, HostPool
     from mldebug.record.tensorbatch import BlockPool, TensorBatch
+    host = HostPool()
+    for step in range(2):
+        cpu = HostBatch(host)
+        for i in range(400):            # 400K values: more than a first buffer holds
+            cpu.add(i, torch.randn(1000), torch.float32)
+        assert len(cpu.buffers) == (2 if step == 0 else 1)
+        stats = np.zeros((400, 9))
+        cpu.reduce(stats, {}, {}, 0)
+        assert (stats[:, 0] == 1000).all()
     pool = BlockPool()
-    cpu = TensorBatch(pool, "cpu")
-    for i in range(40):
-        cpu.add(i, torch.randn(1000), torch.float32)
-    assert len(cpu.blocks) == 1 and cpu.rolled is None
     rolling = TensorBatch(pool, "cpu", 16, roll_rows=8)
     for i in range(40):
         rolling.add(i, torch.randn(1000), torch.float32)

@@ -344,9 +344,10 @@ class Recorder:
             return False
 
     def _reset_step(self) -> None:
-        if not hasattr(self, "_pool"):   # CPU copy blocks, reused from step to step
-            self._pool = _stats.BlockPool()
-        self._batch = _stats.StepBatch(self.bins, self.clip, self.sample, self._pool)
+        if not hasattr(self, "_pool"):   # copy blocks and buffers, reused from step to step
+            self._pool, self._host_pool = _stats.BlockPool(), _stats.HostPool()
+        self._batch = _stats.StepBatch(self.bins, self.clip, self.sample, self._pool,
+                                       self._host_pool)
         self._entries: list = []      # (series key, meta, call, row)
         self._seen: dict = {}         # id(tensor) -> (weakref, version, row)
         self._grads: dict = {}        # id(tensor) -> (weakref, [targets])

@@ -7,13 +7,14 @@ narrower types (float64 for float64): a tensor whose squares overflow float32
 gives a fixed random sample for its histogram (and per-sample L2 norms for gradients).
 
 CPU tensors up to BATCH values: copied when seen (one op), reduced all together when the
-step is staged (`tensorbatch.py`: for them per-op overhead, not arithmetic, is the cost).
+step is staged, in numpy (`hostbatch.py`: for them per-op overhead, not arithmetic,
+is the cost).
 Larger CPU tensors: reduced when seen (the values may change in place later) with few
 passes; a copy would be one more pass over memory, for little overhead saved. Reading a
 CPU scalar costs nothing, so the non-finite counts (and stats of the finite values) are
 computed only for tensors whose sum is not finite.
 
-Other devices (CUDA): tensors up to DEVICE_BATCH values are batched the same way (a
+Other devices (CUDA): tensors up to DEVICE_BATCH values are batched likewise (`tensorbatch.py`; a
 kernel launch costs ~10 us of CPU time: one copy instead of ~10 reductions); their
 reductions are queued when the step is staged, or when DEVICE_BUDGET values of a dtype
 fill the blocks (the block is then filled again: bounded memory for any step), and read
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 
 from .store import STAT_COLUMNS
+from .hostbatch import HostBatch, HostPool
 from .tensorbatch import CHUNK, BlockPool, TensorBatch, nonfinite_row, per_sample_norms, sample_index
 
 ROW = ("numel", "sum", "abs_sum", "sumsq", "min", "max", "nan", "posinf", "neginf")
@@ -59,7 +61,9 @@ def sample_of(flat: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def _cpu_row(x: torch.Tensor, norms: Optional[torch.Tensor]) -> list:
-    """A large CPU tensor now, as host numbers: sum, Σx², aminmax (one pass), |x| sum."""
+    """A large CPU tensor now, as host numbers: sum, Σx², aminmax (one pass), |x| sum, on
+    the threads the step uses (memory-bound: numpy's one thread is slower here, though
+    faster than torch on the small tensors of `hostbatch`)."""
     s = x.sum().item()
     if not math.isfinite(s):
         return nonfinite_row(x)
@@ -75,7 +79,7 @@ class StepBatch:
     """The rows, samples and per-sample norms of one step, finished with one transfer."""
 
     def __init__(self, bins: int, clip: Optional[float], sample: int = 0,
-                 pool: Optional[BlockPool] = None):
+                 pool: Optional[BlockPool] = None, host_pool: Optional[HostPool] = None):
         self.sample_size = sample
         self.bins = bins
         self.clip = clip
@@ -84,7 +88,8 @@ class StepBatch:
         self.samples: list = []     # per row: sample tensor (or None)
         self.norms: list = []       # (row index, per-sample norm tensor)
         self.pool = pool if pool is not None else BlockPool()
-        self.cpu = TensorBatch(self.pool)
+        self.host_pool = host_pool if host_pool is not None else HostPool()
+        self.cpu = HostBatch(self.host_pool)
         self.on_device: dict = {}   # device -> TensorBatch
 
     def __len__(self):
@@ -194,7 +199,7 @@ class StepBatch:
             # second OpenMP team, spinning against this thread's on a small machine
             self.cpu.reduce(fixed, *cpu, self.sample_size)
         self.rows, self.samples, self.norms = [], [], []
-        self.cpu = TensorBatch(self.pool)
+        self.cpu = HostBatch(self.host_pool)
         self.on_device = {}
         return k, fixed, staged, cpu
 

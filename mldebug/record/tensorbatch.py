@@ -1,21 +1,17 @@
-"""The recorder's small tensors of one step: one copy when seen, every statistic at the
-end of the step, for all of them at once.
+"""The recorder's small tensors of one step on a GPU (or another device than the CPU):
+one copy when seen, every statistic at the end of the step, for all of them at once.
 
-On the CPU a tensor of a few thousand values costs more in per-op overhead (~4 µs an op:
-five reductions, a sample gather, a read-back each) than in arithmetic; on a GPU each op
-is a kernel launch (~10 µs of CPU time), and a step of a small model is launch-bound. So
-`add` does ONE op: it copies the tensor into a block (a [rows, CHUNK] matrix on the
-tensor's device, reused from step to step), starting on a fresh row. The step's end then
-runs a fixed handful of ops per block, whatever the number of tensors: per-row min and
-max with the padding after each tensor set to +inf, then -inf (one scatter each), sum,
-Σx² (2-norm) and |x| sum with it set to 0, and the samples (one gather) in torch;
-per-tensor totals in float64 with `reduceat` over each tensor's rows, on the host. A
-tensor whose total is not finite is recomputed exactly from its copy.
-
-CPU blocks are reduced and read at once (`reduce`). Device blocks are reduced without a
-read (`stage`: kernels queued on the stream, after the copies); the recorder's writer
-thread then brings the per-row results to the host with the step's one transfer and
-finishes them (`DeviceStaged.finish`), and only then gives the blocks back.
+On a GPU each op is a kernel launch (~10 µs of CPU time), and a step of a small model is
+launch-bound. So `add` does ONE op: it copies the tensor into a block (a [rows, CHUNK]
+matrix on the tensor's device, reused from step to step), starting on a fresh row. The
+step's end then queues a fixed handful of ops per block, whatever the number of tensors
+(`stage`): per-row min and max with the padding after each tensor set to +inf, then -inf
+(one scatter each), sum, Σx² (2-norm) and |x| sum with it set to 0, the samples (one
+gather), and each tensor's totals from its rows (`index_add_`, `scatter_reduce_`), all
+without a read. The recorder's writer thread then brings them to the host with the
+step's one transfer and finishes them (`DeviceStaged.finish`), and only then gives the
+blocks back. A tensor whose total is not finite is recomputed exactly from its copy.
+(The CPU's small tensors go to `hostbatch.py` instead: numpy, no blocks.)
 
 Accuracy: a row is summed by torch in the accumulation type (float32, or float64 for
 float64) over at most CHUNK values and rows are added in float64, so totals are at least
@@ -63,8 +59,7 @@ class BlockPool:
 
 
 class TensorBatch:
-    """Copies of a step's tensors of one device; `reduce` (CPU) or `stage` (other
-    devices) fills their stats rows.
+    """Copies of a step's tensors of one device; `stage` queues their reductions.
 
     On a device the blocks of one dtype hold at most ROLL_ROWS rows in all: when they are
     full, the open block's reductions are queued at once (`DeviceStaged.add_block`,
@@ -148,17 +143,6 @@ class TensorBatch:
             if segs:
                 yield blk[:rows], segs
 
-    def reduce(self, stats: np.ndarray, samples: dict, norms: dict, size: int) -> None:
-        """CPU: fill STATS rows (the `stats.ROW` columns), SAMPLES {row: float64 array of
-        SIZE values at the fixed positions} and NORMS {row: float32 per-sample norms};
-        then hand the blocks back to the pool."""
-        self._note_use()
-        try:
-            for v, segs in self._per_block():
-                _reduce_block(v, segs, stats, samples, norms, size)
-        finally:
-            self._give_back()
-
     def stage(self, size: int) -> "DeviceStaged":
         """Another device: queue every reduction (no read); the result's `tensors` go to
         the host with the step's one transfer, then its `finish` fills the rows."""
@@ -190,16 +174,6 @@ def _put_rows(lay: "_Layout", stats: np.ndarray, s, absum, sumsq, lo, hi,
     stats[lay.rows] = out
 
 
-def _combine(lay: "_Layout", per_row: np.ndarray, stats: np.ndarray) -> None:
-    """Per-row results [5, rows] (host, float64: Σx, ‖x‖₂, min, max, Σ|x|) -> the
-    tensors' stats rows."""
-    s, norm, lo, hi, absum = per_row
-    with np.errstate(invalid="ignore", over="ignore"):
-        s, absum, sumsq = np.add.reduceat(np.stack([s, absum, norm * norm]), lay.r0, axis=1)
-        _put_rows(lay, stats, s, absum, sumsq, np.minimum.reduceat(lo, lay.r0),
-                  np.maximum.reduceat(hi, lay.r0))
-
-
 def _recounted(flat: torch.Tensor, segs: list, totals: np.ndarray) -> dict:
     """{stats row: exact row} of the tensors whose total is not finite, from their copy
     in block FLAT (NaN/Inf inside, or an overflow: rare)."""
@@ -228,27 +202,6 @@ def _row_stats(v: torch.Tensor, pad: torch.Tensor) -> list:
     else:
         lo, hi = v.amin(1), v.amax(1)
     return [v.sum(1), torch.linalg.vector_norm(v, dim=1), lo, hi]
-
-
-def _reduce_block(v, segs, stats, samples, norms, size) -> None:
-    flat = v.view(-1)
-    lay = _layout(segs, size, v.device)
-    sums, norm2, lo, hi = _row_stats(v, lay.pad)
-    picked = flat.index_select(0, lay.gather).double().numpy() if size else None
-    for row, x in _sample_norms(flat, segs):
-        norms[row] = x.numpy().copy()
-    # exact counts and stats of the finite values, taken before `abs_` overwrites the
-    # copy (finite float32 row sums add up to a finite float64 total: only a non-finite
-    # row needs a look)
-    exact = {}
-    if not np.isfinite(sums.numpy()).all():
-        exact = _recounted(flat, segs, np.add.reduceat(sums.double().numpy(), lay.r0))
-    absum = v.abs_().sum(1)      # in place: the copy is ours
-    _combine(lay, torch.stack([sums, norm2, lo, hi, absum]).double().numpy(), stats)
-    for row, values in exact.items():
-        stats[row] = values
-    if picked is not None:
-        _split_samples(segs, picked, size, samples)
 
 
 def _split_samples(segs, picked, size, samples) -> None:
