@@ -6,24 +6,24 @@ narrower types (float64 for float64): a tensor whose squares overflow float32
 (|x| > ~1e19) has an infinite std while its abs-max stays exact. Each recorded tensor also
 gives a fixed random sample for its histogram (and per-sample L2 norms for gradients).
 
-CPU tensors up to BATCH values: copied when seen (one op), reduced all together when the
-step is staged, in numpy (`hostbatch.py`: for them per-op overhead, not arithmetic,
-is the cost).
-Larger CPU tensors: reduced when seen (the values may change in place later) with few
-passes; a copy would be one more pass over memory, for little overhead saved. Reading a
-CPU scalar costs nothing, so the non-finite counts (and stats of the finite values) are
-computed only for tensors whose sum is not finite.
+CPU tensors up to BATCH values: copied when seen (one op), reduced all together in
+numpy when the step is staged (`hostbatch.py`: for them per-op overhead, not arithmetic,
+is the cost). Larger CPU tensors: reduced when seen (the values may change in place
+later) with few passes; a copy would be one more pass over memory, for little overhead
+saved. Reading a CPU scalar costs nothing, so the non-finite counts (and stats of the
+finite values) are computed only for tensors whose sum is not finite.
 
-Other devices (CUDA): tensors up to DEVICE_BATCH values are batched likewise (`tensorbatch.py`; a
-kernel launch costs ~10 us of CPU time: one copy instead of ~10 reductions); their
-reductions are queued when the step is staged, or when DEVICE_BUDGET values of a dtype
-fill the blocks (the block is then filled again: bounded memory for any step), and read
-with the step's transfer. Larger ones are reduced when seen; the results stay 0-d tensors on the
-device and are never read back before the step ends: the counts are always computed and
-the stats come from `nan_to_num(x, 0, 0, 0)` (exact over the finite values; min/max then
-include the zeros put in place of NaN/Inf). `StepBatch.stage()` stacks them (one op per
-device), and `finish_staged()` brings stats, samples and norms to the host with ONE
-transfer and bins every histogram there at once (numpy).
+Other devices (CUDA): tensors up to DEVICE_BATCH values are batched likewise, in blocks
+(`tensorbatch.py`; a kernel launch costs ~10 us of CPU time: one copy instead of ~10
+reductions); their reductions are queued when the step is staged, or when DEVICE_BUDGET
+values of a dtype fill the blocks (the block is then filled again: bounded memory for
+any step), and read with the step's transfer. Larger ones are reduced when seen; the
+results stay 0-d tensors on the device and are never read back before the step ends: the
+counts are always computed and the stats come from `nan_to_num(x, 0, 0, 0)` (exact over
+the finite values; min/max then include the zeros put in place of NaN/Inf).
+`StepBatch.stage()` stacks them (one op per device), and `finish_staged()` brings stats,
+samples and norms to the host with ONE transfer and bins every histogram there at once
+(numpy).
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .store import STAT_COLUMNS
 from .hostbatch import HostBatch, HostPool
+from .store import STAT_COLUMNS
 from .tensorbatch import CHUNK, BlockPool, TensorBatch, nonfinite_row, per_sample_norms, sample_index
 
 ROW = ("numel", "sum", "abs_sum", "sumsq", "min", "max", "nan", "posinf", "neginf")
@@ -62,8 +62,8 @@ def sample_of(flat: torch.Tensor, size: int) -> torch.Tensor:
 
 def _cpu_row(x: torch.Tensor, norms: Optional[torch.Tensor]) -> list:
     """A large CPU tensor now, as host numbers: sum, Σx², aminmax (one pass), |x| sum, on
-    the threads the step uses (memory-bound: numpy's one thread is slower here, though
-    faster than torch on the small tensors of `hostbatch`)."""
+    the threads the step uses (memory-bound: numpy's one thread measured up to 2x slower
+    here, though faster than torch on the small tensors of `hostbatch`)."""
     s = x.sum().item()
     if not math.isfinite(s):
         return nonfinite_row(x)
