@@ -488,6 +488,22 @@ def test_the_cpu_batch_takes_norms_along_any_batch_dimension():
                                    rtol=1e-6, atol=1e-6)
 
 
+def test_large_cpu_tensors_of_one_sign_keep_an_exact_abs_sum():
+    """A large CPU tensor all >= 0 (a ReLU's output) or all <= 0 skips the |x| pass: its
+    |x| sum must still be what torch gives, and mixed signs still take the pass."""
+    from mldebug.record.stats import StepBatch
+    g = torch.Generator().manual_seed(2)
+    ts = [torch.relu(torch.randn(70000, generator=g)), -torch.rand(70000, generator=g),
+          torch.randn(70000, generator=g), torch.zeros(70000)]
+    b = StepBatch(10, None)
+    for t in ts:
+        b.add(t, 0)
+    _, rows, _, _ = b.stage()
+    for row, t in zip(rows, ts):
+        assert row[2] == t.abs().sum().item()      # float32 sums, the same kernel
+        assert row[1] == t.sum().item() and (row[4], row[5]) == (t.min().item(), t.max().item())
+
+
 def test_histograms_of_many_rows_at_once_match_numpy_row_by_row():
     """`bin_rows` bins every recorded tensor's sample in one pass: per row it must give
     numpy's histogram over [lo, hi] (hi itself in the last bin), values outside counted
