@@ -75,7 +75,8 @@ class HostBatch:
             b = self.open[dtype] = len(self.buffers) - 1
         entry = self.buffers[b]
         o = entry[3]
-        entry[2].narrow(0, o, n).copy_(flat)    # (torch converts bfloat16 and half)
+        if flat.dtype != dtype or not _numpy_copy(entry[1], o, flat):
+            entry[2].narrow(0, o, n).copy_(flat)    # torch converts bfloat16, half, ints
         entry[3] = o + n
         entry[4].append((row, n, shape if batch_dim is not None else None, batch_dim))
 
@@ -90,6 +91,16 @@ class HostBatch:
             for dtype, buf, _, used, _ in self.buffers:
                 self.pool.give(dtype, buf, sum(x[3] for x in self.buffers if x[0] == dtype))
             self.buffers, self.open = [], {}
+
+
+def _numpy_copy(buf: np.ndarray, o: int, flat: torch.Tensor) -> bool:
+    """FLAT into BUF at O by numpy (~1.5 µs less than torch's narrow + copy_); False
+    when numpy cannot see the tensor."""
+    try:
+        buf[o:o + flat.numel()] = flat.numpy()
+        return True
+    except (TypeError, RuntimeError):
+        return False
 
 
 def _reduce_buffer(v: np.ndarray, view: torch.Tensor, segs: list, stats: np.ndarray,
