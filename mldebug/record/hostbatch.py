@@ -39,6 +39,8 @@ class HostPool:
         self.hint: dict = {}       # dtype -> most values one step used so far
 
     def take(self, dtype, n: int) -> np.ndarray:
+        """A buffer of at least N values (the kept one if large enough; a new one at least
+        as large as the most a step used so far)."""
         buf = self._free.pop(dtype, None)
         if buf is not None and len(buf) >= n:
             return buf
@@ -136,8 +138,9 @@ def _reduce_buffer(v: np.ndarray, view: torch.Tensor, segs: list, stats: np.ndar
 
 class _Layout:
     """Where a buffer's tensors lie (cached per layout): each tensor's offset (`starts`)
-    and size (`n`); the pieces Σx² is summed over (a tensor, or each
-    of its samples) and each tensor's first piece; the histogram samples' positions."""
+    and size (`n`); the pieces Σx² is summed over (a whole tensor, or each of its samples
+    where its per-sample norms are wanted) and each tensor's first piece; the histogram
+    samples' positions (`gather`) and each tensor's share of them (`sample_span`)."""
 
     __slots__ = ("starts", "n", "pieces", "first_piece", "norm_pieces", "norm_other",
                  "gather", "sample_span")
