@@ -198,8 +198,9 @@ class StepBatch:
                 staged[-1]["event"].record(torch.cuda.current_stream(dev))
         cpu = ({}, {})       # samples, norms of the CPU batch
         if self.cpu:
-            # here, not on the writer thread: torch's threaded kernels there would start a
-            # second OpenMP team, spinning against this thread's on a small machine
+            # here, not on the writer thread: numpy there would hold the GIL that the next
+            # step's Python needs (measured slower on a small machine), and the buffers go
+            # back to the pool for the next step at once
             self.cpu.reduce(fixed, *cpu, self.sample_size)
         self.rows, self.samples, self.norms = [], [], []
         self.cpu = HostBatch(self.host_pool)
