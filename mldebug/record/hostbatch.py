@@ -23,7 +23,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .tensorbatch import nonfinite_row, per_sample_norms, sample_index
+from .tensorbatch import nonfinite_row, per_sample_norms, put_rows, sample_index
 
 _FIRST = 1 << 18               # the first buffer of a dtype: 1 MiB of float32
 _LAYOUTS: dict = {}            # (sample size, tensors' sizes and sample counts) -> _Layout
@@ -117,11 +117,8 @@ def _reduce_buffer(v: np.ndarray, view: torch.Tensor, segs: list, stats: np.ndar
         pieces = np.add.reduceat(tmp, lay.pieces)      # per sample where norms are wanted
         sumsq = np.add.reduceat(pieces.astype(np.float64), lay.first_piece)
         absum = np.add.reduceat(np.abs(v, out=tmp), starts).astype(np.float64)
-    out = np.zeros((len(segs), stats.shape[1]))
-    out[:, 0] = lay.n
-    out[:, 1], out[:, 2], out[:, 3], out[:, 4], out[:, 5] = s, absum, sumsq, lo, hi
     rows = np.fromiter((x[0] for x in segs), np.int64, len(segs))
-    stats[rows] = out
+    put_rows(stats, rows, lay.n, s, absum, sumsq, lo, hi)
     for j in np.flatnonzero(~np.isfinite(s)):
         stats[rows[j]] = nonfinite_row(view.narrow(0, int(starts[j]), int(lay.n[j])))
     for j, p0, count in lay.norm_pieces:

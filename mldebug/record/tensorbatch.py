@@ -161,17 +161,18 @@ class TensorBatch:
         self.blocks, self.segs, self.open, self.rows, self.rolled = [], [], {}, {}, None
 
 
-def _put_rows(lay: "_Layout", stats: np.ndarray, s, absum, sumsq, lo, hi,
-              counts=None) -> None:
+def put_rows(stats: np.ndarray, rows: np.ndarray, n: np.ndarray, s, absum, sumsq, lo, hi,
+             counts=None) -> None:
     """Each tensor's totals (host arrays, one value a tensor) -> its STATS row
-    (`stats.ROW`); COUNTS [3, tensors]: NaN, +Inf, -Inf, not among the finite values."""
-    out = np.zeros((len(lay.rows), stats.shape[1]))
-    out[:, 0] = lay.n
+    (`stats.ROW`): ROWS the tensors' stats rows, N their sizes; COUNTS [3, tensors]: NaN,
+    +Inf, -Inf, not among the finite values. (The device blocks' and `hostbatch`'s.)"""
+    out = np.zeros((len(rows), stats.shape[1]))
+    out[:, 0] = n
     out[:, 1], out[:, 2], out[:, 3], out[:, 4], out[:, 5] = s, absum, sumsq, lo, hi
     if counts is not None:
         out[:, 6:] = counts.T
         out[:, 0] -= counts.sum(0)
-    stats[lay.rows] = out
+    stats[rows] = out
 
 
 def _recounted(flat: torch.Tensor, segs: list, totals: np.ndarray) -> dict:
@@ -269,8 +270,8 @@ class DeviceStaged:
                 per_tensor = host[k].reshape(-1, len(segs))
                 k += 1
                 s, sumsq, absum = per_tensor[:3]
-                _put_rows(lay, stats, s, absum, sumsq, *per_tensor[-2:],
-                          per_tensor[3:6] if rolled else None)
+                put_rows(stats, lay.rows, lay.n, s, absum, sumsq, *per_tensor[-2:],
+                         per_tensor[3:6] if rolled else None)
                 if not rolled:     # (a refilled block's copy is gone: counted before)
                     for row, values in _recounted(v.view(-1), segs, s).items():
                         stats[row] = values
