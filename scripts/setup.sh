@@ -16,3 +16,9 @@ if [[ "${1:-}" == "--dev" ]]; then
 else
     "$PY" -m pip install -q -e .
 fi
+
+# the recorder's one-pass kernel (mldebug/record/fused.c), built now rather than at the
+# first recorded step; without a C compiler the recorder takes its torch path instead
+"$PY" -c "from mldebug.record import native
+k = native.kernel()
+print('setup: recorder kernel', 'built' if k else 'not built (' + native.reason() + '): the torch path is used')"

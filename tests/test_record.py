@@ -17,7 +17,7 @@ import torch.nn as nn
 
 import mldebug
 from mldebug.errors import UsageError
-from mldebug.record import Capture, open_run
+from mldebug.record import Capture, native, open_run
 from mldebug.record.timeline import compare, timeline
 
 from conftest import clean_env, needs_cuda, run_cli
@@ -25,6 +25,27 @@ from conftest import clean_env, needs_cuda, run_cli
 # the recorder's host and device paths (the watch's `cpu-as-device` case is not one)
 on_each_device = pytest.mark.parametrize(
     "device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+
+
+def _without_kernel(monkeypatch):
+    """The CPU's torch and numpy path, as on a machine without a C compiler."""
+    monkeypatch.setattr(native, "_STATE", {"kernel": None, "reason": "the test's torch path"})
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def cpu_path(request, monkeypatch):
+    """Both ways the CPU's tensors are reduced: the one-pass kernel (`fused.c`; the test
+    environment has a C compiler) and the torch / numpy path used without one."""
+    if request.param == "kernel":
+        assert native.kernel() is not None, native.reason()
+    else:
+        _without_kernel(monkeypatch)
+    return request.param
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    _without_kernel(monkeypatch)
 
 
 def make_mlp(seed=0, device="cpu"):
@@ -69,7 +90,7 @@ def check_row(row, t):
 
 
 @on_each_device
-def test_recorded_stats_match_torch(tmp_path, device):
+def test_recorded_stats_match_torch(tmp_path, device, cpu_path):
     model = make_mlp(device=device)
     data = batches(4, device=device)
     expected = {}
@@ -212,7 +233,7 @@ def test_module_selection_and_condition(tmp_path):
         assert {s["module"] for s in run.series()} == {"1"}
 
 
-def test_named_tensors_notes_and_nonfinite_counts(tmp_path):
+def test_named_tensors_notes_and_nonfinite_counts(tmp_path, cpu_path):
     t = torch.tensor([1.0, -3.0, float("nan"), float("inf"), float("-inf"), float("nan"), 2.0])
     with mldebug.record(None, run_dir=tmp_path, run="n", step="manual", note="first try") as rec:
         mldebug.log_tensor("attn", t, role="helper")
@@ -387,7 +408,7 @@ def test_a_program_that_forgets_close_still_writes_its_run(tmp_path, write_progr
         assert len(run.scalars()["loss"]) == 3
 
 
-def test_an_empty_batch_is_recorded_without_a_warning(tmp_path):
+def test_an_empty_batch_is_recorded_without_a_warning(tmp_path, cpu_path):
     """A step with no samples (an empty last batch): every tensor of the batch is empty,
     their gradients too; per-sample norms of none are none (this used to warn)."""
     import warnings
@@ -488,9 +509,10 @@ def test_the_cpu_batch_takes_norms_along_any_batch_dimension():
                                    rtol=1e-6, atol=1e-6)
 
 
-def test_large_cpu_tensors_of_one_sign_keep_an_exact_abs_sum():
-    """A large CPU tensor all >= 0 (a ReLU's output) or all <= 0 skips the |x| pass: its
-    |x| sum must still be what torch gives, and mixed signs still take the pass."""
+def test_large_cpu_tensors_of_one_sign_keep_an_exact_abs_sum(torch_path):
+    """Without the kernel, a large CPU tensor all >= 0 (a ReLU's output) or all <= 0
+    skips the |x| pass: its |x| sum must still be what torch gives, and mixed signs still
+    take the pass."""
     from mldebug.record.stats import StepBatch
     g = torch.Generator().manual_seed(2)
     ts = [torch.relu(torch.randn(70000, generator=g)), -torch.rand(70000, generator=g),
@@ -502,6 +524,120 @@ def test_large_cpu_tensors_of_one_sign_keep_an_exact_abs_sum():
     for row, t in zip(rows, ts):
         assert row[2] == t.abs().sum().item()      # float32 sums, the same kernel
         assert row[1] == t.sum().item() and (row[4], row[5]) == (t.min().item(), t.max().item())
+
+
+def _kernel_cases():
+    g = torch.Generator().manual_seed(3)
+    r = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    return [(r(64, 256), 0),                  # a gradient: samples one after another
+            (r(3, 5, 4), 1),                  # samples interleaved: torch's norms
+            (r(1, 6, 2), 1), (r(4, 3), -1), (r(7), 0),
+            (r(8, 6).t(), 0),                 # not contiguous: copied first
+            (r(2, 8).bfloat16(), 0), (r(5, 2).double(), 0), (r(40000).half(), None),
+            (r(70000), None), (torch.relu(r(50000)), None),
+            (-torch.rand(1500, generator=g) - 1, None),
+            (r(15), None), (r(16), None), (r(4097), None), (r(1), None),
+            (torch.full((33,), 3.0), None),   # a constant: its range is a point
+            (r(17) * 1e20, None),             # squares overflow float32: std is +Inf
+            (torch._neg_view(r(300)), None),   # a negative view: torch's path
+            (torch.tensor([1.0, float("nan"), 3.0, float("inf"), -2.0]), None),
+            (torch.tensor([float("nan")] * 4), None)]
+
+
+def _finished(cases, size=100):
+    from mldebug.record.stats import StepBatch
+    b = StepBatch(30, 5.0, size)
+    for t, bd in cases:
+        b.add(t, size, bd)
+    staged = b.stage()
+    return staged[1], b.finish_staged(staged)
+
+
+def test_the_kernel_gives_what_the_torch_path_gives(monkeypatch):
+    """The one-pass kernel and the torch / numpy path, tensor for tensor: the same counts
+    and min/max, sums to float32 rounding, the same per-sample norms and sample sizes,
+    histograms that differ at most where a value sits on a bin edge."""
+    cases = _kernel_cases()
+    assert native.kernel() is not None, native.reason()
+    _, k = _finished(cases)
+    _without_kernel(monkeypatch)
+    _, t = _finished(cases)
+    np.testing.assert_array_equal(k["stats"][:, [0, 5, 6, 7, 8, 9]], t["stats"][:, [0, 5, 6, 7, 8, 9]])
+    np.testing.assert_allclose(k["stats"][:, 1:5], t["stats"][:, 1:5], rtol=2e-5, atol=1e-6)
+    over = next(i for i, (c, _) in enumerate(cases) if c.dtype == torch.float32
+                and c.isfinite().all() and c.abs().max() > 1e19)
+    assert np.isinf(k["stats"][over, 3]) and np.isinf(t["stats"][over, 3])
+    np.testing.assert_array_equal(k["sample_n"], t["sample_n"])
+    assert k["norms"].keys() == t["norms"].keys() == {0, 1, 2, 3, 4, 5, 6, 7}
+    for i in k["norms"]:
+        np.testing.assert_allclose(k["norms"][i], t["norms"][i], rtol=1e-5)
+    for name in ("hist", "below", "above"):
+        k[name], t[name] = np.atleast_2d(k[name].T).T, np.atleast_2d(t[name].T).T
+    total = lambda o: o["hist"].sum(1) + o["below"][:, 0] + o["above"][:, 0]  # noqa: E731
+    np.testing.assert_array_equal(total(k), total(t))
+    assert (np.abs(k["hist"] - t["hist"]).sum(1) <= 2).all()
+
+
+def test_the_kernel_bins_and_summarizes_as_numpy_does():
+    """The kernel's summary and histogram of each row are exactly what `describe_rows`
+    and `_histograms` make of the kernel's own sums (the same float64 operations), NaN/Inf
+    rows (counted again, binned at the end of the step) included."""
+    from mldebug.record.stats import StepBatch, describe_rows
+    from mldebug.record.tensorbatch import sample_index
+    cases = _kernel_cases()
+    rows, out = _finished(cases)
+    np.testing.assert_array_equal(out["stats"], describe_rows(rows))
+    samples = []
+    for t, _ in cases:
+        x = t.detach().resolve_neg().reshape(-1)
+        a = (x if x.dtype == torch.float64 else x.float()).numpy().astype(np.float64)
+        samples.append(a[sample_index(len(a), 100, "cpu").numpy()] if len(a) > 100 else a)
+    ref = StepBatch(30, 5.0, 100)._histograms(describe_rows(rows), samples)
+    for name in ("hist", "lo", "hi", "below", "above", "sample_n"):
+        np.testing.assert_array_equal(out[name], ref[name], err_msg=name)
+
+
+def test_without_a_compiler_the_recorder_takes_the_torch_path(tmp_path):
+    """No compiler (CC=false), a fresh cache: the build fails, `reason()` says why, and a
+    recording still stores every step; MLDEBUG_NATIVE=0 turns the kernel off. With a
+    compiler the kernel is built once per cache and found there by the next process."""
+    program = (
+        "import sys, torch, mldebug\n"
+        "from mldebug.record import native, open_run\n"
+        "torch.manual_seed(0)\n"
+        "m = torch.nn.Linear(4, 2); opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "with mldebug.record(m, run_dir=sys.argv[1], run='r') as rec:\n"
+        "    for _ in range(3):\n"
+        "        opt.zero_grad(); m(torch.randn(5, 4)).sum().backward(); opt.step()\n"
+        "with open_run(rec.path) as run:\n"
+        "    print('kernel', native.kernel() is not None, 'steps', run.steps(),\n"
+        "          'mean', round(run.stats('weight:param')[0]['mean'], 6))\n"
+        "    print('reason', native.reason())\n")
+    cache = tmp_path / "cache"
+
+    def run(**env):
+        out = subprocess.run([sys.executable, "-c", program, str(tmp_path)], text=True,
+                             capture_output=True, timeout=120,
+                             env=clean_env(MLDEBUG_CACHE_DIR=str(cache), **env))
+        assert out.returncode == 0, out.stderr
+        assert "Warning" not in out.stderr, out.stderr
+        return out.stdout
+
+    failed = run(CC="false")
+    assert "kernel False steps [0, 1, 2]" in failed
+    assert "reason OSError: false could not build fused.c" in failed
+    off = run(MLDEBUG_NATIVE="0")
+    assert "kernel False steps [0, 1, 2]" in off and "reason MLDEBUG_NATIVE=0" in off
+    built = run()
+    assert "kernel True steps [0, 1, 2]" in built
+    libs = list(cache.glob("fused-*.so"))
+    assert len(libs) == 1
+    mtime = libs[0].stat().st_mtime_ns
+    assert run(CC="false").startswith("kernel True")     # found in the cache: no build
+    assert libs[0].stat().st_mtime_ns == mtime
+    # the same weights, the same mean, on either path
+    means = [float(out.split("mean")[1].split()[0]) for out in (failed, built)]
+    assert means[0] == pytest.approx(means[1], abs=2e-6)
 
 
 def test_histograms_of_many_rows_at_once_match_numpy_row_by_row():

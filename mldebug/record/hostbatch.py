@@ -37,6 +37,7 @@ class HostPool:
     def __init__(self):
         self._free: dict = {}      # dtype -> numpy buffer
         self.hint: dict = {}       # dtype -> most values one step used so far
+        self.native_hint: dict = {}   # nativebatch's buffers: name -> most values a step used
 
     def take(self, dtype, n: int) -> np.ndarray:
         """A buffer of at least N values (the kept one if large enough; a new one at least

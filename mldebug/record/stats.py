@@ -33,7 +33,9 @@ from typing import Optional
 import numpy as np
 import torch
 
+from . import native
 from .hostbatch import HostBatch, HostPool
+from .nativebatch import NativeBatch
 from .store import STAT_COLUMNS
 from .tensorbatch import CHUNK, BlockPool, TensorBatch, nonfinite_row, per_sample_norms, sample_index
 
@@ -93,7 +95,13 @@ class StepBatch:
         self.pool = pool if pool is not None else BlockPool()
         self.host_pool = host_pool if host_pool is not None else HostPool()
         self.cpu = HostBatch(self.host_pool)
+        self.native = self._native_batch()
         self.on_device: dict = {}   # device -> TensorBatch
+
+    def _native_batch(self) -> Optional[NativeBatch]:
+        k = native.kernel()
+        return (NativeBatch(k, self.sample_size, self.bins, self.clip, self.host_pool.native_hint)
+                if k else None)
 
     def __len__(self):
         return len(self.rows)
@@ -108,6 +116,14 @@ class StepBatch:
         n = flat.numel()
         dev = flat.device
         if dev.type == "cpu":
+            # the kernel reads the memory itself: plain tensors only (a subclass, a fake
+            # tensor under tracing, a negative view: torch's path)
+            if self.native is not None and n and type(flat) is torch.Tensor \
+                    and not flat.is_neg():
+                self.rows.append(None)
+                self.samples.append(None)
+                self.native.add(i, flat, t.shape if batch_dim is not None else None, batch_dim)
+                return i
             batch = self.cpu if 0 < n <= BATCH else None
         elif 0 < n <= DEVICE_BATCH:
             batch = self.on_device.get(dev)
@@ -196,14 +212,17 @@ class StepBatch:
             if dev.type == "cuda":   # the writer thread waits for the main thread's stream
                 staged[-1]["event"] = torch.cuda.Event()
                 staged[-1]["event"].record(torch.cuda.current_stream(dev))
-        cpu = ({}, {})       # samples, norms of the CPU batch
+        cpu = ({}, {}, None)   # the CPU's samples and norms; the kernel's rows (`fill`)
         if self.cpu:
             # here, not on the writer thread: numpy there would hold the GIL that the next
             # step's Python needs (measured slower on a small machine), and the buffers go
             # back to the pool for the next step at once
-            self.cpu.reduce(fixed, *cpu, self.sample_size)
+            self.cpu.reduce(fixed, cpu[0], cpu[1], self.sample_size)
+        if self.native:
+            cpu = cpu[:2] + (self.native.fill(fixed, *cpu[:2]),)
         self.rows, self.samples, self.norms = [], [], []
         self.cpu = HostBatch(self.host_pool)
+        self.native = self._native_batch()
         self.on_device = {}
         return k, fixed, staged, cpu
 
@@ -259,15 +278,26 @@ class StepBatch:
             for r, n in d["norm_rows"]:
                 norms[r] = host[o:o + n].astype(np.float32)
                 o += n
-        out = self._histograms(describe_rows(stats), host_samples)
+        native_rows = cpu[2]      # (rows, their summaries, their histograms) or None
+        if native_rows is not None and len(native_rows[0]) == k:   # every row, in order
+            desc = native_rows[1]
+        else:
+            desc = describe_rows(stats)
+        out = self._histograms(desc, host_samples,
+                               None if native_rows is None else native_rows[2])
         out["norms"] = norms
         return out
 
-    def _histograms(self, desc: np.ndarray, samples: list) -> dict:
+    def _histograms(self, desc: np.ndarray, samples: list, binned: Optional[tuple] = None) -> dict:
         """DESC: `describe_rows`. Bin every sample at once: range = [min, max] of the finite
         values, clipped to mean ± clip·std; sample values outside it are counted as below
-        / above. Returns {stats: DESC, hist, lo, hi, below, above, sample_n}."""
+        / above. BINNED: rows the kernel binned already (`NativeBatch.fill`). Returns
+        {stats: DESC, hist, lo, hi, below, above, sample_n}."""
         k, bins = len(samples), self.bins
+        if binned is not None and len(binned[0]) == k:      # every row (in order): done
+            _, counts, lo, hi, lengths = binned
+            return {"stats": desc, "hist": counts[:, 1:-1], "lo": lo, "hi": hi,
+                    "below": counts[:, 0], "above": counts[:, -1], "sample_n": lengths}
         lo, hi = _finite_or_0(desc[:, 5]), _finite_or_0(desc[:, 6])
         if self.clip is not None:
             mean = desc[:, 1]
@@ -279,12 +309,15 @@ class StepBatch:
                 hi = np.minimum(hi, mean + half)
         hi = np.maximum(hi, lo)
         lengths = np.array([0 if s is None else len(s) for s in samples], np.int64)
-        if not lengths.sum():
-            z = np.zeros(k, np.int64)
-            return {"stats": desc, "hist": np.zeros((k, bins), np.int64), "lo": lo, "hi": hi,
-                    "below": z, "above": z, "sample_n": lengths}
-        x = np.concatenate([s for s in samples if s is not None]).astype(np.float64, copy=False)
-        counts = bin_rows(x, lengths, lo, hi, bins)
+        if lengths.sum():
+            x = np.concatenate([s for s in samples if s is not None]).astype(np.float64,
+                                                                              copy=False)
+            counts = bin_rows(x, lengths, lo, hi, bins)
+        else:
+            counts = np.zeros((k, bins + 2), np.int64)
+        if binned is not None:
+            rows, got, got_lo, got_hi, got_n = binned
+            counts[rows], lo[rows], hi[rows], lengths[rows] = got, got_lo, got_hi, got_n
         return {"stats": desc, "hist": counts[:, 1:-1], "lo": lo, "hi": hi,
                 "below": counts[:, 0], "above": counts[:, -1], "sample_n": lengths}
 

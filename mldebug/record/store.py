@@ -151,6 +151,14 @@ class Writer:
         if self._thread is not None:
             self._queue.join()
 
+    def run(self, fn) -> None:
+        """FN() now, on the calling thread, after everything submitted; errors warn once."""
+        self.flush()
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - a bug in recording never ends the program
+            self._fail(exc)
+
     def _fail(self, exc: Exception) -> None:
         if not self.failed:
             self.failed = True

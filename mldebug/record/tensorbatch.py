@@ -339,17 +339,16 @@ def per_sample_norms(t: torch.Tensor, batch_dim: int = 0) -> Optional[torch.Tens
 
 _IDX_CACHE: dict = {}          # (numel, sample, device) -> sorted random indices
 _IDX_CACHE_MAX = 512
-_GEN: dict = {}                # device -> private torch.Generator (never the global RNG)
 
 
 def sample_index(n: int, size: int, device) -> torch.Tensor:
-    """SIZE sorted random positions among N, the same for every step (a private RNG)."""
+    """SIZE sorted random positions among N: a function of N and SIZE only (a private
+    generator seeded by them, never the global RNG), so every step, every path and
+    every run picks the same ones (two runs' histograms compare sample for sample)."""
     key = (n, size, device)
     idx = _IDX_CACHE.get(key)
     if idx is None:
-        gen = _GEN.get("cpu")
-        if gen is None:
-            gen = _GEN["cpu"] = torch.Generator().manual_seed(0x5EED)
+        gen = torch.Generator().manual_seed((0x5EED * 1_000_003 + n) * 1_000_003 + size)
         idx = torch.randint(n, (size,), generator=gen).sort().values.to(device)
         if len(_IDX_CACHE) >= _IDX_CACHE_MAX:
             _IDX_CACHE.clear()
