@@ -537,6 +537,7 @@ def _kernel_cases():
             (r(70000), None), (torch.relu(r(50000)), None),
             (-torch.rand(1500, generator=g) - 1, None),
             (r(15), None), (r(16), None), (r(4097), None), (r(1), None),
+            (r(1500, 3), 0),                  # more norms than a first buffer holds
             (torch.full((33,), 3.0), None),   # a constant: its range is a point
             (r(17) * 1e20, None),             # squares overflow float32: std is +Inf
             (torch._neg_view(r(300)), None),   # a negative view: torch's path
@@ -568,7 +569,7 @@ def test_the_kernel_gives_what_the_torch_path_gives(monkeypatch):
                 and c.isfinite().all() and c.abs().max() > 1e19)
     assert np.isinf(k["stats"][over, 3]) and np.isinf(t["stats"][over, 3])
     np.testing.assert_array_equal(k["sample_n"], t["sample_n"])
-    assert k["norms"].keys() == t["norms"].keys() == {0, 1, 2, 3, 4, 5, 6, 7}
+    assert k["norms"].keys() == t["norms"].keys() == {0, 1, 2, 3, 4, 5, 6, 7, 16}
     for i in k["norms"]:
         np.testing.assert_allclose(k["norms"][i], t["norms"][i], rtol=1e-5)
     for name in ("hist", "below", "above"):

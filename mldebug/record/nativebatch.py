@@ -71,24 +71,39 @@ class NativeBatch:
         self.out = _Arena(OUT_WIDTH + bins + 2, hint.get("rows", 64))
         self.norm_buf = np.empty(hint.get("norms", 1024), np.float32)
         self.norm_addr = self.norm_buf.ctypes.data
-        self.norm_used = 0
+        self.norm_used = 0               # values taken in norm_buf
+        self.norm_total = 0              # values in the buffers before it
         self.samples: dict = {}          # step row -> float64 sample (rows recounted)
         self.norms: dict = {}            # step row -> float32 per-sample norms
 
     def __bool__(self):
         return bool(self.index)
 
-    def add(self, i: int, flat: torch.Tensor, shape=None, batch_dim: Optional[int] = None) -> None:
-        """Row I from FLAT (1-D, CPU, contiguous, not empty); with SHAPE and BATCH_DIM its
-        per-sample norms too."""
-        x = flat if flat.dtype in _NATIVE else flat.float()
+    def add(self, i: int, t: torch.Tensor, shape=None, batch_dim: Optional[int] = None) -> None:
+        """Row I from T (CPU, contiguous, not empty; its memory is read, autograd or not);
+        with SHAPE (T's) and BATCH_DIM its per-sample norms too."""
+        x = t if t.dtype in _NATIVE else t.detach().float()
         n = x.numel()
+        # first, before anything is taken: a tensor without memory of its own (a wrapper)
+        # raises here, and one whose storage was shrunk (freed) must never be read
+        ptr = x.data_ptr()
+        if x.untyped_storage().nbytes() < (x.storage_offset() + n) * x.element_size():
+            raise RuntimeError("the tensor's storage is smaller than the tensor")
         chunk = nptr = 0
-        if shape is not None and len(shape):
+        if shape:                                       # per-sample norms wanted
             bd = batch_dim % len(shape)
-            if math.prod(shape[:bd]) == 1:              # samples one after another
-                chunk = n // shape[bd]
-                nptr = self._norms(i, shape[bd])
+            count = shape[bd]
+            if bd == 0 or math.prod(shape[:bd]) == 1:   # samples one after another
+                chunk = n // count
+                o = self.norm_used
+                if o + count > len(self.norm_buf):      # a new buffer
+                    self.norm_buf = np.empty(max(count, 2 * len(self.norm_buf)), np.float32)
+                    self.norm_addr = self.norm_buf.ctypes.data
+                    self.norm_total += o
+                    o = 0
+                self.norm_used = o + count
+                self.norms[i] = self.norm_buf[o:o + count]
+                nptr = self.norm_addr + 4 * o
             else:
                 self.norms[i] = per_sample_norms(x.view(shape), batch_dim).numpy()
         size = self.size
@@ -98,26 +113,15 @@ class NativeBatch:
             m, iptr = n, 0                              # every value
         else:
             m, iptr = size, _sample_address(n, size)
-        if self.fns[x.dtype](x.data_ptr(), n, chunk, nptr, iptr, m, self.bins, self.clip,
+        if self.fns[x.dtype](ptr, n, chunk, nptr, iptr, m, self.bins, self.clip,
                              self.out.take()):
             self._recount(len(self.index), i, x)
         self.index.append(i)
 
-    def _norms(self, i: int, count: int) -> int:
-        """The address of COUNT float32 norms for row I (a new buffer when full)."""
-        if self.norm_used + count > len(self.norm_buf):
-            self.hint["norms"] = max(self.hint.get("norms", 0), self.norm_used + count)
-            self.norm_buf = np.empty(max(count, 2 * len(self.norm_buf)), np.float32)
-            self.norm_addr = self.norm_buf.ctypes.data
-            self.norm_used = 0
-        o = self.norm_used
-        self.norm_used += count
-        self.norms[i] = self.norm_buf[o:o + count]
-        return self.norm_addr + 4 * o
-
     def _recount(self, j: int, i: int, x: torch.Tensor) -> None:
         """Native row J (step row I) had NaN/Inf or overflowed: exact counts, and its
         sample binned at the end of the step with the finite values' range."""
+        x = x.detach().reshape(-1)
         self.recounts[j] = nonfinite_row(x)
         if self.size:
             a = x.numpy()
@@ -137,7 +141,7 @@ class NativeBatch:
         index = np.asarray(self.index, np.int64)
         h = self.hint
         h["rows"] = max(h.get("rows", 0), m)
-        h["norms"] = max(h.get("norms", 0), self.norm_used)
+        h["norms"] = max(h.get("norms", 0), self.norm_total + self.norm_used)
         samples.update(self.samples)
         norms.update(self.norms)
         recounts = self.recounts

@@ -114,7 +114,7 @@ class _Quiet:
 
     def __enter__(self):
         self._grad = torch.is_grad_enabled()
-        torch.set_grad_enabled(False)
+        torch._C._set_grad_enabled(False)     # (torch.set_grad_enabled builds an object)
         self._w = None
         core = sys.modules.get("mldebug.watch.core")
         if core is not None:
@@ -127,7 +127,7 @@ class _Quiet:
     def __exit__(self, *exc):
         if self._w is not None:
             self._w.__exit__(*exc)
-        torch.set_grad_enabled(self._grad)
+        torch._C._set_grad_enabled(self._grad)
         return False
 
 
@@ -500,7 +500,16 @@ class Recorder:
         targets = [target]
         self._grads[id(t)] = (weakref.ref(t), targets)
         serial = self._serial
-        self._thooks.append(t.register_hook(lambda g: self._on_grad(serial, targets, g)))
+        node = t.grad_fn
+        if node is None:            # a leaf that requires grad
+            handle = t.register_hook(lambda g: self._on_grad(serial, targets, g))
+        else:
+            # the gradient of T as the node that made it receives it: what a tensor hook
+            # registered now gets, at a fifth of Tensor.register_hook's cost
+            nr = t.output_nr
+            handle = node.register_prehook(lambda grads: self._on_grad(serial, targets,
+                                                                       grads[nr]))
+        self._thooks.append(handle)
 
     def _on_grad(self, serial: int, targets: list, grad) -> None:
         if _replay.active():

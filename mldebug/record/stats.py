@@ -111,19 +111,24 @@ class StepBatch:
         other devices than the CPU), and with BATCH_DIM its per-sample L2 norms; returns
         its row index."""
         i = len(self.rows)
+        nb = self.native
+        # the kernel reads the memory itself: plain CPU tensors (a parameter too) only; a
+        # subclass, a fake tensor under tracing or a negative view takes torch's path
+        if nb is not None and t.is_cpu and type(t) in _PLAIN and not t.is_neg() and t.numel():
+            try:
+                nb.add(i, t if t.is_contiguous() else t.reshape(-1),
+                       t.shape if batch_dim is not None else None, batch_dim)
+            except RuntimeError:
+                pass        # no memory of its own to read: torch's path below
+            else:
+                self.rows.append(None)
+                self.samples.append(None)
+                return i
         flat = flat_of(t)
         acc = _ACC.get(flat.dtype, torch.float32)
         n = flat.numel()
         dev = flat.device
         if dev.type == "cpu":
-            # the kernel reads the memory itself: plain tensors only (a subclass, a fake
-            # tensor under tracing, a negative view: torch's path)
-            if self.native is not None and n and type(flat) is torch.Tensor \
-                    and not flat.is_neg():
-                self.rows.append(None)
-                self.samples.append(None)
-                self.native.add(i, flat, t.shape if batch_dim is not None else None, batch_dim)
-                return i
             batch = self.cpu if 0 < n <= BATCH else None
         elif 0 < n <= DEVICE_BATCH:
             batch = self.on_device.get(dev)
@@ -362,6 +367,7 @@ def bin_rows(x: np.ndarray, lengths: np.ndarray, lo: np.ndarray, hi: np.ndarray,
 
 
 _CPU = torch.device("cpu")
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 SUMMARY = STAT_COLUMNS    # describe_rows' columns are the store's
 
 
