@@ -1,4 +1,5 @@
-"""The recorder's small CPU tensors of one step: one copy when seen, every statistic at
+"""The recorder's small CPU tensors of one step when the C kernel is not there
+(`native.py`: no compiler, or MLDEBUG_NATIVE=0): one copy when seen, every statistic at
 the end of the step, for all of them at once, in numpy.
 
 A CPU tensor of a few thousand values costs more in per-op overhead than in arithmetic,

@@ -110,7 +110,8 @@ def _cache_dir() -> str:
             return d
     except OSError:
         pass
-    d = os.path.join(tempfile.gettempdir(), f"mldebug-{os.getuid() if hasattr(os, 'getuid') else 0}")
+    user = os.getuid() if hasattr(os, "getuid") else 0
+    d = os.path.join(tempfile.gettempdir(), f"mldebug-{user}")
     os.makedirs(d, exist_ok=True)
     return d
 

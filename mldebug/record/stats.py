@@ -6,12 +6,14 @@ narrower types (float64 for float64): a tensor whose squares overflow float32
 (|x| > ~1e19) has an infinite std while its abs-max stays exact. Each recorded tensor also
 gives a fixed random sample for its histogram (and per-sample L2 norms for gradients).
 
-CPU tensors up to BATCH values: copied when seen (one op), reduced all together in
-numpy when the step is staged (`hostbatch.py`: for them per-op overhead, not arithmetic,
-is the cost). Larger CPU tensors: reduced when seen (the values may change in place
-later) with few passes; a copy would be one more pass over memory, for little overhead
-saved. Reading a CPU scalar costs nothing, so the non-finite counts (and stats of the
-finite values) are computed only for tensors whose sum is not finite.
+CPU tensors: read once when seen (the values may change in place later) by the C kernel
+(`nativebatch.py`, `fused.c`): row, summary, histogram and norms in one pass and one
+call. Without the kernel (no compiler, MLDEBUG_NATIVE=0), tensors up to BATCH values are
+copied when seen (one op) and reduced all together in numpy when the step is staged
+(`hostbatch.py`: for them per-op overhead, not arithmetic, is the cost); larger ones are
+reduced when seen by torch, with few passes. Reading a CPU scalar costs nothing, so the
+non-finite counts (and stats of the finite values) are computed only for tensors whose
+sum is not finite.
 
 Other devices (CUDA): tensors up to DEVICE_BATCH values are batched likewise, in blocks
 (`tensorbatch.py`; a kernel launch costs ~10 us of CPU time: one copy instead of ~10
