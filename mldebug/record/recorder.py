@@ -243,6 +243,7 @@ class Recorder:
         self._param_ids = {id(p) for _, _, p in self._params} or (
             {id(p) for p in model.parameters()} if model is not None else set())
         self._owns = weakref.WeakKeyDictionary()
+        self._io_keys: dict = {}       # (module path, kind, index) -> series keys
         self._writer = Writer(path, {
             "run": name, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
             "model": type(model).__name__ if model is not None else None,
@@ -476,12 +477,15 @@ class Recorder:
     def _io(self, path: str, kind: str, i: int, call: int, t: torch.Tensor) -> None:
         if not t.is_floating_point():
             return
+        keys = self._io_keys.get((path, kind, i))
+        if keys is None:      # the series keys of this slot, made once
+            keys = self._io_keys[(path, kind, i)] = (f"{path}:{kind}[{i}]",
+                                                     f"{path}:{kind}_grad[{i}]", kind + "_grad")
         if "io" in self.log:
-            self._entries.append((f"{path}:{kind}[{i}]", (path, kind, i, "", t.shape, t.dtype),
-                                  call, self._row_of(t)))
+            self._entries.append((keys[0], (path, kind, i, "", t.shape, t.dtype), call,
+                                  self._row_of(t)))
         if "io_grad" in self.log and t.requires_grad:
-            self._watch_grad(t, (f"{path}:{kind}_grad[{i}]", (path, kind + "_grad", i, "",
-                                                            t.shape, t.dtype), call))
+            self._watch_grad(t, (keys[1], (path, keys[2], i, "", t.shape, t.dtype), call))
 
     def _row_of(self, t: torch.Tensor) -> int:
         """Row of T now; the same tensor at the same version is computed once a step."""
@@ -721,17 +725,18 @@ class Recorder:
         if not entries:
             return None, cap_rows
         w = self._writer
-        sids = np.empty(len(entries), np.int32)
-        calls = np.empty(len(entries), np.int32)
-        rows = np.empty(len(entries), np.int64)
-        for j, (key, meta, call, r) in enumerate(entries):
-            sid = w._series.get(key)
+        series = w._series
+        sids = []
+        for key, meta, _, _ in entries:
+            sid = series.get(key)
             if sid is None:
                 path, kind, idx, name, shape, dtype = meta[:6]
                 sid = w.series_id(key, path, kind, idx, name, meta[6] if len(meta) > 6 else "",
                                   tuple(shape), str(dtype).replace("torch.", ""))
-            sids[j], calls[j], rows[j] = sid, call, r
-        return _pack(out, sids, calls, rows, self.bins if self.sample else 0), cap_rows
+            sids.append(sid)
+        return _pack(out, np.array(sids, np.int32), np.array([e[2] for e in entries], np.int32),
+                     np.array([e[3] for e in entries], np.int64),
+                     self.bins if self.sample else 0), cap_rows
 
     def _stage_captures(self, caps: dict) -> dict:
         """Means divided on the device before the step's tensors are handed over."""
