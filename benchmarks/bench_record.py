@@ -251,6 +251,10 @@ def main(argv=None):
           f"{load[2]:.2f} on {os.cpu_count()} cpus")
     if texp is None:
         print(f"torchexplorer: skipped ({why}); pip install torchexplorer --no-deps to compare")
+    from mldebug.record import native, recorder
+    kernel = "built" if native.kernel() else f"not used ({native.reason()})"
+    committer = "writer thread" if recorder.spare_core() else "training thread"
+    print(f"recorder: CPU kernel {kernel}; a CPU step is committed by the {committer}")
     cols = ["plain2", "record@1", "record@100:off", "record:never", "record@100", "capture", "history"]
     if texp is not None:
         cols += ["texp@1", "texp@100:off", "texp@100"]
