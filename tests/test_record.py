@@ -606,6 +606,20 @@ def test_the_kernel_bins_and_summarizes_as_numpy_does():
         np.testing.assert_array_equal(out[name], ref[name], err_msg=name)
 
 
+def test_the_kernel_never_reads_a_freed_storage():
+    """A tensor whose storage was shrunk (FSDP frees parameters so) would send the kernel
+    to read freed memory: it is refused, with nothing taken for it."""
+    from mldebug.record.nativebatch import NativeBatch
+    nb = NativeBatch(native.kernel(), 100, 30, 5.0, {})
+    freed = torch.randn(100)
+    freed.untyped_storage().resize_(0)
+    assert not nb.add(0, freed)
+    assert nb.add(1, torch.ones(10))
+    stats = np.zeros((2, 9))
+    nb.fill(stats, {}, {})
+    assert nb.index == [1] and list(stats[1, :2]) == [10, 10] and not stats[0].any()
+
+
 def test_without_a_compiler_the_recorder_takes_the_torch_path(tmp_path):
     """No compiler (CC=false), a fresh cache: the build fails, `reason()` says why, and a
     recording still stores every step; MLDEBUG_NATIVE=0 turns the kernel off. With a

@@ -79,16 +79,18 @@ class NativeBatch:
     def __bool__(self):
         return bool(self.index)
 
-    def add(self, i: int, t: torch.Tensor, shape=None, batch_dim: Optional[int] = None) -> None:
+    def add(self, i: int, t: torch.Tensor, shape=None, batch_dim: Optional[int] = None) -> bool:
         """Row I from T (CPU, contiguous, not empty; its memory is read, autograd or not);
-        with SHAPE (T's) and BATCH_DIM its per-sample norms too."""
+        with SHAPE (T's) and BATCH_DIM its per-sample norms too. False, with nothing
+        taken, when T has no memory of its own to read (torch's path then takes it)."""
         x = t if t.dtype in _NATIVE else t.detach().float()
         n = x.numel()
-        # first, before anything is taken: a tensor without memory of its own (a wrapper)
-        # raises here, and one whose storage was shrunk (freed) must never be read
-        ptr = x.data_ptr()
+        try:
+            ptr = x.data_ptr()            # a wrapper tensor (no storage) raises
+        except RuntimeError:
+            return False
         if x.untyped_storage().nbytes() < (x.storage_offset() + n) * x.element_size():
-            raise RuntimeError("the tensor's storage is smaller than the tensor")
+            return False                  # a freed (shrunk) storage is never read
         chunk = nptr = 0
         if shape:                                       # per-sample norms wanted
             bd = batch_dim % len(shape)
@@ -113,10 +115,12 @@ class NativeBatch:
             m, iptr = n, 0                              # every value
         else:
             m, iptr = size, _sample_address(n, size)
-        if self.fns[x.dtype](ptr, n, chunk, nptr, iptr, m, self.bins, self.clip,
-                             self.out.take()):
-            self._recount(len(self.index), i, x)
-        self.index.append(i)
+        out = self.out.take()
+        j = len(self.index)
+        self.index.append(i)        # (a row taken is a row indexed, whatever follows)
+        if self.fns[x.dtype](ptr, n, chunk, nptr, iptr, m, self.bins, self.clip, out):
+            self._recount(j, i, x)
+        return True
 
     def _recount(self, j: int, i: int, x: torch.Tensor) -> None:
         """Native row J (step row I) had NaN/Inf or overflowed: exact counts, and its

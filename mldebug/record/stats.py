@@ -116,16 +116,12 @@ class StepBatch:
         nb = self.native
         # the kernel reads the memory itself: plain CPU tensors (a parameter too) only; a
         # subclass, a fake tensor under tracing or a negative view takes torch's path
-        if nb is not None and t.is_cpu and type(t) in _PLAIN and not t.is_neg() and t.numel():
-            try:
-                nb.add(i, t if t.is_contiguous() else t.reshape(-1),
-                       t.shape if batch_dim is not None else None, batch_dim)
-            except RuntimeError:
-                pass        # no memory of its own to read: torch's path below
-            else:
-                self.rows.append(None)
-                self.samples.append(None)
-                return i
+        if nb is not None and t.is_cpu and type(t) in _PLAIN and not t.is_neg() and t.numel() \
+                and nb.add(i, t if t.is_contiguous() else t.reshape(-1),
+                           t.shape if batch_dim is not None else None, batch_dim):
+            self.rows.append(None)
+            self.samples.append(None)
+            return i
         flat = flat_of(t)
         acc = _ACC.get(flat.dtype, torch.float32)
         n = flat.numel()
