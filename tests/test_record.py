@@ -540,6 +540,8 @@ def _kernel_cases():
             (r(3, 5, 4), 1),                  # samples interleaved: torch's norms
             (r(1, 6, 2), 1), (r(4, 3), -1), (r(7), 0),
             (r(8, 6).t(), 0),                 # not contiguous: copied first
+            (r(40)[::2], None), (r(6, 8)[:, ::2], 0),       # strided views
+            (torch.ones(()).expand(64, 256), 0),            # a .sum()'s gradient: stride 0
             (r(2, 8).bfloat16(), 0), (r(5, 2).double(), 0), (r(40000).half(), None),
             (r(70000), None), (torch.relu(r(50000)), None),
             (-torch.rand(1500, generator=g) - 1, None),
@@ -577,7 +579,7 @@ def test_the_kernel_gives_what_the_torch_path_gives(monkeypatch):
                 and c.isfinite().all() and c.abs().max() > 1e19)
     assert np.isinf(k["stats"][over, 3]) and np.isinf(t["stats"][over, 3])
     np.testing.assert_array_equal(k["sample_n"], t["sample_n"])
-    assert k["norms"].keys() == t["norms"].keys() == {0, 1, 2, 3, 4, 5, 6, 7, 16}
+    assert k["norms"].keys() == t["norms"].keys() == {0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 19}
     for i in k["norms"]:
         np.testing.assert_allclose(k["norms"][i], t["norms"][i], rtol=1e-5)
     for name in ("hist", "below", "above"):

@@ -85,6 +85,8 @@ class NativeBatch:
         taken, when T has no memory of its own to read (torch's path then takes it)."""
         x = t if t.dtype in _NATIVE else t.detach().float()
         n = x.numel()
+        if not x.is_contiguous():         # (the caller's promise: the kernel reads n in a row)
+            return False
         try:
             ptr = x.data_ptr()            # a wrapper tensor (no storage) raises
         except RuntimeError:

@@ -114,10 +114,12 @@ class StepBatch:
         its row index."""
         i = len(self.rows)
         nb = self.native
-        # the kernel reads the memory itself: plain CPU tensors (a parameter too) only; a
-        # subclass, a fake tensor under tracing or a negative view takes torch's path
-        if nb is not None and t.is_cpu and type(t) in _PLAIN and not t.is_neg() and t.numel() \
-                and nb.add(i, t if t.is_contiguous() else t.reshape(-1),
+        # the kernel reads the memory itself: plain strided CPU tensors (a parameter too)
+        # only; a subclass, a fake tensor under tracing, a sparse or MKL-DNN tensor or a
+        # negative view takes torch's path (and a strided view is made contiguous first)
+        if nb is not None and t.is_cpu and type(t) in _PLAIN and t.layout is _STRIDED \
+                and not t.is_neg() and t.numel() \
+                and nb.add(i, t if t.is_contiguous() else t.contiguous(),
                            t.shape if batch_dim is not None else None, batch_dim):
             self.rows.append(None)
             self.samples.append(None)
@@ -366,6 +368,7 @@ def bin_rows(x: np.ndarray, lengths: np.ndarray, lo: np.ndarray, hi: np.ndarray,
 
 _CPU = torch.device("cpu")
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_STRIDED = torch.strided
 SUMMARY = STAT_COLUMNS    # describe_rows' columns are the store's
 
 
