@@ -622,6 +622,94 @@ def test_the_kernel_never_reads_a_freed_storage():
     assert nb.index == [1] and list(stats[1, :2]) == [10, 10] and not stats[0].any()
 
 
+ZERO_GRADIENTS = """
+import sys, torch, torch.nn as nn, mldebug
+from mldebug.record import open_run
+torch.manual_seed(0)
+class Sign(nn.Module):          # torch.sgn's backward sends an efficient zero tensor
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 3), nn.Linear(3, 2)
+    def forward(self, x):
+        return self.b(torch.sgn(self.a(x)))
+m = Sign()
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+with mldebug.record(m, run_dir=sys.argv[1], run="z") as rec:
+    for _ in range(2):
+        opt.zero_grad(); m(torch.randn(5, 4)).sum().backward(); opt.step()
+    z = torch._efficientzerotensor(5)
+    mldebug.log_tensor("zero", z)
+with open_run(rec.path) as run:
+    print("steps", run.steps(), "zero", run.stats("zero:tensor")[0]["abs_max"])
+"""
+
+
+def test_tensors_without_data_of_their_own_are_not_read(tmp_path, write_program):
+    """Autograd's efficient zero tensors (here torch.sgn's gradient) have no memory: the
+    kernel would read address 0 (the process died); they take torch's path. In a
+    subprocess: a crash must fail this test, not end the suite."""
+    out = subprocess.run([sys.executable, str(write_program(ZERO_GRADIENTS)), str(tmp_path)],
+                         text=True, capture_output=True, timeout=120, env=clean_env())
+    assert out.returncode == 0, out.stderr
+    assert "steps [0, 1, 2] zero 0.0" in out.stdout, out.stdout + out.stderr   # (2: at close)
+
+
+def test_io_grad_is_what_a_tensor_hook_sees(tmp_path, cpu_path):
+    """io_grad watches are tensor hooks: torch.autograd.grad(loss, h), which never runs
+    h's node, still records h's gradient, and a user hook registered later on the same
+    output does not change what is recorded."""
+    model = make_mlp()
+    x = torch.randn(5, 8)
+    with mldebug.record(model, run_dir=tmp_path, run="g", log=("io_grad",),
+                        step="manual") as rec:
+        h = model[0](x)
+        (g,) = torch.autograd.grad(model[2](model[1](h)).pow(2).sum(), h)
+        rec.step()
+        h = model[0](x)
+        h.register_hook(lambda grad: grad * 10)
+        expected = {}
+        h.register_hook(lambda grad: expected.setdefault("g", grad.clone()))
+        model[2](model[1](h)).pow(2).sum().backward()
+        rec.step()
+    with open_run(rec.path) as run:
+        rows = run.stats("0:output_grad[0]")
+        assert [r["step"] for r in rows] == [0, 1]
+        check_row(rows[0], g)
+        check_row(rows[1], expected["g"] / 10)      # before the user's x10
+
+
+def test_a_batch_dimension_a_tensor_lacks_gives_no_norms(tmp_path, cpu_path):
+    """batch_dim=1 with 1-D outputs: no per-sample norms for them (both paths agree), the
+    step is recorded, nothing warns."""
+    import warnings
+    model = nn.Sequential(nn.Linear(8, 1), nn.Flatten(0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with mldebug.record(model, run_dir=tmp_path, run="bd", batch_dim=1) as rec:
+            opt.zero_grad()
+            model(torch.randn(5, 8)).sum().backward()
+            opt.step()
+    with open_run(rec.path) as run:
+        assert run.steps() == [0]
+        assert run.norms("1:output_grad[0]", 0) is None            # 1-D: no dimension 1
+        assert len(run.norms("0:output_grad[0]", 0)) == 1          # [5, 1]: one "sample"
+
+
+def test_the_kernel_is_only_loaded_from_a_private_folder(tmp_path, monkeypatch):
+    """A library found in the cache is loaded into the process: a cache folder that
+    other users may write to (a shared /tmp) is not used."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("MLDEBUG_CACHE_DIR", str(shared))
+    assert not native._private(str(shared))
+    assert native._cache_dir() != str(shared)
+    mine = tmp_path / "mine"
+    monkeypatch.setenv("MLDEBUG_CACHE_DIR", str(mine))
+    assert native._cache_dir() == str(mine) and (mine.stat().st_mode & 0o777) == 0o700
+
+
 def test_without_a_compiler_the_recorder_takes_the_torch_path(tmp_path):
     """No compiler (CC=false), a fresh cache: the build fails, `reason()` says why, and a
     recording still stores every step; MLDEBUG_NATIVE=0 turns the kernel off. With a

@@ -19,6 +19,7 @@ import os
 import platform
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -66,7 +67,11 @@ def kernel() -> Optional[Kernel]:
         why = "MLDEBUG_NATIVE=0"
     else:
         try:
-            k = Kernel(ctypes.CDLL(_library()))
+            try:
+                lib = ctypes.CDLL(_library())
+            except OSError:        # a cached library this machine cannot load: build it
+                lib = ctypes.CDLL(_library(rebuild=True))
+            k = Kernel(lib)
             why = _check(k)
             if why:
                 k = None
@@ -98,35 +103,46 @@ def _compiler() -> list:
     raise OSError("no C compiler (cc, gcc or clang; or set CC)")
 
 
+def _private(d: str) -> bool:
+    """Whether D is (now) a folder of this user's that no one else may write to: a library
+    found there is loaded into this process, so another user must not be able to put one
+    there (a shared /tmp)."""
+    try:
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        st = os.lstat(d)
+    except OSError:
+        return False
+    return (stat.S_ISDIR(st.st_mode) and not st.st_mode & 0o022 and os.access(d, os.W_OK)
+            and (not hasattr(os, "getuid") or st.st_uid == os.getuid()))
+
+
 def _cache_dir() -> str:
+    """$MLDEBUG_CACHE_DIR, else $XDG_CACHE_HOME/mldebug or ~/.cache/mldebug, else
+    /tmp/mldebug-UID: the first that is private (`_private`); else a new private folder
+    for this process only (the kernel is then built again by the next one)."""
     d = os.environ.get("MLDEBUG_CACHE_DIR")
     if not d:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
                                                                  ".cache")
         d = os.path.join(base, "mldebug")
-    try:
-        os.makedirs(d, exist_ok=True)
-        if os.access(d, os.W_OK):
-            return d
-    except OSError:
-        pass
     user = os.getuid() if hasattr(os, "getuid") else 0
-    d = os.path.join(tempfile.gettempdir(), f"mldebug-{user}")
-    os.makedirs(d, exist_ok=True)
-    return d
+    for where in (d, os.path.join(tempfile.gettempdir(), f"mldebug-{user}")):
+        if _private(where):
+            return where
+    return tempfile.mkdtemp(prefix="mldebug-")
 
 
-def _library() -> str:
-    """The built library's path, built now when missing (written under a temporary name
-    and renamed: processes that build at once never see half a file). The cache key is
-    the source, the flags and the machine type: a library built once serves every later
-    process, with or without a compiler."""
+def _library(rebuild: bool = False) -> str:
+    """The built library's path, built now when missing or REBUILD (written under a
+    temporary name and renamed: processes that build at once never see half a file). The
+    cache key is the source, the flags and the machine type: a library built once serves
+    every later process, with or without a compiler."""
     with open(SOURCE, "rb") as f:
         src = f.read()
     key = hashlib.sha256(b"\0".join([src, " ".join(_FLAGS).encode(),
                                      platform.machine().encode(), sys.platform.encode()]))
     path = os.path.join(_cache_dir(), f"fused-{key.hexdigest()[:16]}.so")
-    if os.path.exists(path):
+    if os.path.exists(path) and not rebuild:
         return path
     cc = _compiler()
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))

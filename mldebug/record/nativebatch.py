@@ -91,8 +91,11 @@ class NativeBatch:
             ptr = x.data_ptr()            # a wrapper tensor (no storage) raises
         except RuntimeError:
             return False
-        if x.untyped_storage().nbytes() < (x.storage_offset() + n) * x.element_size():
-            return False                  # a freed (shrunk) storage is never read
+        # no data of its own (autograd's efficient zero tensors, functionalize's wrappers:
+        # a null pointer) or a freed (shrunk) storage: never read
+        if not ptr or x._is_zerotensor() \
+                or x.untyped_storage().nbytes() < (x.storage_offset() + n) * x.element_size():
+            return False
         chunk = nptr = 0
         if shape:                                       # per-sample norms wanted
             bd = batch_dim % len(shape)
@@ -115,8 +118,8 @@ class NativeBatch:
             m, iptr = 0, 0                              # no histograms
         elif n <= size:
             m, iptr = n, 0                              # every value
-        else:
-            m, iptr = size, _sample_address(n, size)
+        else:                                           # (idx: alive through the call)
+            m, (idx, iptr) = size, _sample_index(n, size)
         out = self.out.take()
         j = len(self.index)
         self.index.append(i)        # (a row taken is a row indexed, whatever follows)
@@ -170,12 +173,12 @@ class NativeBatch:
                                   b[:, _NROW + 11], sizes)
 
 
-def _sample_address(n: int, size: int) -> int:
-    """The address of `sample_index(n, size)`'s positions (int64), kept alive here."""
+def _sample_index(n: int, size: int) -> tuple:
+    """`sample_index(n, size)`'s positions (int64) and their address."""
     got = _IDX.get((n, size))
     if got is None:
         if len(_IDX) >= _IDX_MAX:
             _IDX.clear()
         idx = sample_index(n, size, "cpu")
         got = _IDX[(n, size)] = (idx, idx.data_ptr())
-    return got[1]
+    return got

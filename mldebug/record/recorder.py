@@ -504,16 +504,10 @@ class Recorder:
         targets = [target]
         self._grads[id(t)] = (weakref.ref(t), targets)
         serial = self._serial
-        node = t.grad_fn
-        if node is None:            # a leaf that requires grad
-            handle = t.register_hook(lambda g: self._on_grad(serial, targets, g))
-        else:
-            # the gradient of T as the node that made it receives it: what a tensor hook
-            # registered now gets, at a fifth of Tensor.register_hook's cost
-            nr = t.output_nr
-            handle = node.register_prehook(lambda grads: self._on_grad(serial, targets,
-                                                                       grads[nr]))
-        self._thooks.append(handle)
+        # a tensor hook, not a pre-hook on t.grad_fn (cheaper): that one would miss
+        # torch.autograd.grad(loss, t), which never runs the node, and see the gradient
+        # after the user's own hooks on T changed it
+        self._thooks.append(t.register_hook(lambda g: self._on_grad(serial, targets, g)))
 
     def _on_grad(self, serial: int, targets: list, grad) -> None:
         if _replay.active():

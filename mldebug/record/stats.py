@@ -113,6 +113,8 @@ class StepBatch:
         other devices than the CPU), and with BATCH_DIM its per-sample L2 norms; returns
         its row index."""
         i = len(self.rows)
+        if batch_dim is not None and not -t.dim() <= batch_dim < t.dim():
+            batch_dim = None       # no such dimension (a 0-d or narrower tensor): no norms
         nb = self.native
         # the kernel reads the memory itself: plain strided CPU tensors (a parameter too)
         # only; a subclass, a fake tensor under tracing, a sparse or MKL-DNN tensor or a
