@@ -67,8 +67,9 @@ def kernel() -> Optional[Kernel]:
         why = "MLDEBUG_NATIVE=0"
     else:
         try:
+            path = _library()
             try:
-                lib = ctypes.CDLL(_library())
+                lib = ctypes.CDLL(path)
             except OSError:        # a cached library this machine cannot load: build it
                 lib = ctypes.CDLL(_library(rebuild=True))
             k = Kernel(lib)
@@ -85,11 +86,6 @@ def reason() -> str:
     """Why `kernel()` is None ('' when it is not)."""
     kernel()
     return _STATE["reason"]
-
-
-def reset() -> None:
-    """Forget the loaded kernel: the next `kernel()` looks again (tests, MLDEBUG_NATIVE)."""
-    _STATE.clear()
 
 
 def _compiler() -> list:

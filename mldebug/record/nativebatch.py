@@ -22,10 +22,12 @@ import torch
 from .native import OUT_WIDTH, Kernel
 from .tensorbatch import nonfinite_row, per_sample_norms, sample_index
 
-_NROW = 9            # stats.ROW, then the summary (store.STAT_COLUMNS), then lo, hi
+# the kernel's row (native.OUT_WIDTH slots, then the counts): stats.ROW, the summary
+# (store.STAT_COLUMNS), the histogram's lo and hi
+_NROW = 9
+_SUMMARY = slice(_NROW, OUT_WIDTH - 2)
+_LO, _HI = OUT_WIDTH - 2, OUT_WIDTH - 1
 _NATIVE = (torch.float32, torch.float64)
-_IDX: dict = {}      # (numel, sample size) -> (sample_index's positions, their address)
-_IDX_MAX = 512
 
 
 class _Arena:
@@ -119,7 +121,8 @@ class NativeBatch:
         elif n <= size:
             m, iptr = n, 0                              # every value
         else:                                           # (idx: alive through the call)
-            m, (idx, iptr) = size, _sample_index(n, size)
+            idx = sample_index(n, size, "cpu")
+            m, iptr = size, idx.data_ptr()
         out = self.out.take()
         j = len(self.index)
         self.index.append(i)        # (a row taken is a row indexed, whatever follows)
@@ -130,13 +133,11 @@ class NativeBatch:
     def _recount(self, j: int, i: int, x: torch.Tensor) -> None:
         """Native row J (step row I) had NaN/Inf or overflowed: exact counts, and its
         sample binned at the end of the step with the finite values' range."""
+        from .stats import sample_of
         x = x.detach().reshape(-1)
         self.recounts[j] = nonfinite_row(x)
         if self.size:
-            a = x.numpy()
-            n = a.size
-            self.samples[i] = (a[sample_index(n, self.size, "cpu").numpy()] if n > self.size
-                               else a).astype(np.float64)
+            self.samples[i] = sample_of(x, self.size).double().numpy()
 
     def fill(self, stats: np.ndarray, samples: dict, norms: dict) -> Optional[tuple]:
         """Rows into STATS, SAMPLES and NORMS ({step row: array}), and the hint for the
@@ -158,9 +159,9 @@ class NativeBatch:
             from .stats import describe_rows
             j = np.fromiter(recounts, np.int64, len(recounts))
             wide[j, :_NROW] = np.array(list(recounts.values()))
-            wide[j, _NROW:_NROW + 10] = describe_rows(wide[j, :_NROW])
+            wide[j, _SUMMARY] = describe_rows(wide[j, :_NROW])
         stats[index] = wide[:, :_NROW]
-        summaries = wide[:, _NROW:_NROW + 10]
+        summaries = wide[:, _SUMMARY]
         if not self.size:
             return index, summaries, None
         binned, b = index, wide
@@ -169,16 +170,5 @@ class NativeBatch:
             keep[j] = False
             binned, b = index[keep], wide[keep]
         sizes = np.minimum(b[:, 0], self.size).astype(np.int64)
-        return index, summaries, (binned, b[:, OUT_WIDTH:].view(np.int64), b[:, _NROW + 10],
-                                  b[:, _NROW + 11], sizes)
-
-
-def _sample_index(n: int, size: int) -> tuple:
-    """`sample_index(n, size)`'s positions (int64) and their address."""
-    got = _IDX.get((n, size))
-    if got is None:
-        if len(_IDX) >= _IDX_MAX:
-            _IDX.clear()
-        idx = sample_index(n, size, "cpu")
-        got = _IDX[(n, size)] = (idx, idx.data_ptr())
-    return got
+        return index, summaries, (binned, b[:, OUT_WIDTH:].view(np.int64), b[:, _LO],
+                                  b[:, _HI], sizes)
