@@ -1,9 +1,13 @@
 """A classifier whose hand-written cross-entropy turns into NaN.
 
 The bug: `torch.log(torch.softmax(logits))` instead of `log_softmax`. When the logits
-grow, softmax underflows to exactly 0 for the losing classes, log(0) = -inf, and
-`0 * -inf` in the loss is NaN. Plain PyTorch trains on with a NaN loss; mldebug stops at
-the `torch.log` line, the op that made the -Inf from finite inputs.
+grow, softmax underflows for the losing classes: at first to a denormal (~2e-42), whose
+log is still finite but whose derivative 1/p overflows. The first Inf of the run is made
+in *backward*, by `LogBackward0`, in step 1; a few steps later the forward pass makes
+log(0) = -inf too and the loss turns NaN. Plain PyTorch trains on with a NaN loss;
+`torch.autograd.detect_anomaly` raises one node later, once the Inf has become a NaN.
+mldebug stops at the first one: the backward Inf, reported against the forward
+`torch.log` line that built the node, while paused at `loss.backward()`.
 
     python -m mldebug examples/nan_loss.py
 """

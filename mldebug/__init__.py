@@ -16,6 +16,12 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+import logging as _logging
+
+# One logger for the package (each module logs to `mldebug.<module>`), quiet unless the
+# program configures logging or the CLI runs with -v: a library does not print.
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
+
 from .errors import MLDebugError, NonFiniteError, UsageError  # noqa: F401
 
 # Imported eagerly on purpose: importing the submodule `mldebug.summary` anywhere would

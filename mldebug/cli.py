@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import bdb
 import builtins
+import logging
 import os
 import runpy
 import sys
@@ -35,7 +36,11 @@ examples:
   python -m mldebug -c 'inspect loss' -c c train.py
                                              run commands at the first prompt
 
-At the prompt: every pdb command, plus `inspect EXPR`, `why`, `watch on|off`,
+Ctrl-C pauses the program at your next line (`c` resumes it, bitwise as if nothing
+happened); Ctrl-C twice, or at that prompt, ends it (exit status 130). When the prompt
+reads from a pipe or file and the input ends at a stop, the exit status is 3.
+
+At the prompt: every pdb command, plus `inspect EXPR`, `why`, `watch on|off|exact`,
 `breakon nan,inf`, `stopinfo`, `graph [PATH|EXPR] [-d N]`, `assertions [on|off NAME]`,
 `view [PORT]` (the browser view), `history [MODULE]` (the last steps' norms).
 `help CMD` explains one.
@@ -90,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--allow", action="append", default=[], metavar="PATTERN",
                         help="exempt ops or modules from the watch by pattern "
                              "(repeatable), e.g. --allow 'aten.log*' --allow 'encoder.*'")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="print mldebug's own log on stderr (-v: warnings and notes, "
+                             "e.g. the recorder's fallback without a C compiler; -vv: debug)")
     parser.add_argument("--plain", action="store_true",
                         help="plain pdb prompt even on a terminal (no IPython colours)")
     # -- DAP front end (mldebug/dap): debugpy instead of the pdb prompt --
@@ -282,8 +290,20 @@ def _close_watches(started) -> None:
                 pass     # a stop in what was pending: printed and reported already
 
 
+def _show_log(verbosity: int) -> None:
+    """-v: mldebug's log (the package's logger, silent by default) on stderr."""
+    if verbosity <= 0:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("mldebug: %(levelname)s: %(message)s"))
+    logger = logging.getLogger("mldebug")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG if verbosity > 1 else logging.INFO)
+
+
 def run(args) -> int:
     """Run the program described by parsed ARGS; returns the exit status."""
+    _show_log(getattr(args, "verbose", 0))
     try:
         break_on = _session.parse_break_on(args.break_on)
     except ValueError as exc:
@@ -351,6 +371,9 @@ def run(args) -> int:
     if args.history == "on":  # mldebug/record/history.py: what `history` shows at a stop
         from .record.history import History
         history = History().start()
+    # Ctrl-C pauses at the user's next line (mldebug/interrupt.py); --batch and DAP runs
+    # keep Python's Ctrl-C, which ends the program
+    interrupts = debugger.install_interrupts() if debugger is not None else None
     try:
         if args.stop_at_start and debugger is not None:
             debugger.mainpyfile = debugger.canonic(program.filename)
@@ -361,26 +384,51 @@ def run(args) -> int:
         # what the watch still holds (a CUDA program's last window, stops found on
         # autograd's device thread) is judged while a stop can still pause or end the run
         _flush_watches(watch)
-        # the program may have caught BatchStop (`except BaseException`): the stop stands
-        return EXIT_BATCH_STOP if session.batch_stopped else 0
+        # the program may have caught BatchStop (`except BaseException`): the stop stands;
+        # bdb.run (--stop-at-start) swallows the BdbQuit of an input that ended
+        return EXIT_BATCH_STOP if session.batch_stopped or session.input_ended else 0
     except SystemExit as exc:
         return _exit_status(exc)
     except _session.BatchStop:
         return EXIT_BATCH_STOP
     except bdb.BdbQuit:
-        return 0
+        return EXIT_BATCH_STOP if session.input_ended else 0
     except BaseException as exc:  # noqa: BLE001 - the user's program raised
         if session.batch_stopped:
             return EXIT_BATCH_STOP
         if dap_mode:  # debugpy reports it, as in any debugpy session
             raise
+        if isinstance(exc, KeyboardInterrupt) and interrupts is not None and interrupts.ended:
+            return _ended_by_interrupt(exc)
         return _post_mortem(exc, session, debugger)
     finally:
+        # nothing of the debugger may trace the interpreter's shutdown (a breakpoint
+        # left set would run bdb's skip check on torn-down modules)
+        sys.settrace(None)
+        if interrupts is not None:
+            interrupts.close()
         _close_assertions(always_on)
         if history is not None:
             history.close()
         _close_watches(watch)
         sys.breakpointhook = saved_hook
+
+
+def _ended_by_interrupt(exc: KeyboardInterrupt) -> int:
+    """Ctrl-C twice (or at the prompt of a Ctrl-C pause): the user ended the program.
+    The traceback says where it was; no post-mortem prompt, exit status 130."""
+    tb = _strip_own_frames(exc.__traceback__)
+    # cut after the user's innermost frame: below it is mldebug's pause machinery
+    last_user, t = None, tb
+    while t is not None:
+        if _frames.is_user_file(t.tb_frame.f_code.co_filename):
+            last_user = t
+        t = t.tb_next
+    if last_user is not None:
+        last_user.tb_next = None
+    traceback.print_exception(type(exc), exc, tb)
+    print("mldebug: ended by Ctrl-C", file=sys.stderr, flush=True)
+    return 130
 
 
 def _post_mortem(exc: BaseException, session: _session.Session, debugger) -> int:

@@ -18,10 +18,15 @@ from types import FrameType
 from typing import Optional
 
 from . import frames as _frames
+from . import interrupt as _interrupt
 from . import session as _session
 from .session import Stop
 
 PROMPT = "(mldebug) "
+# modules never stepped into: mldebug's own, and the debugger's (a breakpoint() reached
+# while the debugger already traces runs bdb.set_trace under that trace)
+_SKIP = ["mldebug", "mldebug.*", "bdb", "pdb",
+         "IPython.core.debugger", "IPython.terminal.debugger"]
 
 
 class MLCommands:
@@ -35,6 +40,10 @@ class MLCommands:
         self._initial_frame: Optional[FrameType] = None
         self._current_stop: Optional[Stop] = None
         self.program_code = None  # the CLI's program: frames above it are hidden
+        self.at_prompt = False    # a prompt is open (Ctrl-C there is the prompt's)
+        self.interrupts: Optional[_interrupt.InterruptPause] = None
+        self._interrupt_pending = False   # Ctrl-C while traced: the tracer pauses
+        self._end_by_interrupt = False    # Ctrl-C at the prompt of a Ctrl-C pause
 
     # -- where a pause lands ---------------------------------------------------------
     def interaction(self, frame, traceback):
@@ -43,10 +52,14 @@ class MLCommands:
         from .watch import active_watch
 
         active = active_watch()
-        if active is None:
-            return super().interaction(frame, traceback)
-        with active.suspended():
-            return super().interaction(frame, traceback)
+        self.at_prompt = True
+        try:
+            if active is None:
+                return super().interaction(frame, traceback)
+            with active.suspended():
+                return super().interaction(frame, traceback)
+        finally:
+            self.at_prompt = False
 
     def setup(self, f, tb):
         result = super().setup(f, tb)
@@ -63,6 +76,17 @@ class MLCommands:
         return result
 
     def cmdloop(self, intro=None):
+        try:
+            return self._cmdloop_of_frontend(intro)
+        except KeyboardInterrupt:
+            stop = self._current_stop
+            if stop is None or stop.reason != "interrupt":
+                raise   # pdb's: "--KeyboardInterrupt--", the prompt goes on
+            # Ctrl-C at the prompt of a Ctrl-C pause: the user means "stop the program"
+            self._end_by_interrupt = True
+            return True
+
+    def _cmdloop_of_frontend(self, intro=None):
         # While a browser view runs, the prompt reads from the terminal AND the page's
         # buttons (mldebug/view/prompt.py); without one, the usual loop.
         while True:
@@ -168,12 +192,13 @@ class MLCommands:
         """
         violation = self.mldebug_session.last_violation
         stop = self._current_stop
-        if stop is not None and stop.reason in ("exception", "breakpoint"):
-            violation = None  # explain this stop, not an older NaN stop
-            if stop is not None:
-                self.message(stop.message)
-            else:
-                self.error("why: nothing has stopped the program yet")
+        if stop is not None and (stop.reason in ("exception", "breakpoint", "interrupt")
+                                 or violation is None):
+            self.message(stop.message)   # explain this stop, not an older NaN stop
+            return
+        if violation is None:
+            self.error("why: nothing has stopped the program yet (no NaN/Inf, assertion "
+                       "or exception so far)")
             return
         self.message(violation.headline())
         if violation.created:
@@ -190,31 +215,43 @@ class MLCommands:
             self.message(f"  output: {violation.output}")
 
     def do_watch(self, arg):
-        """watch [on|off]
-        Turn the NaN/Inf watch on or off; without an argument, say whether it is on.
+        """watch [on|off|exact]
+        Turn the NaN/Inf watch on or off; `exact` turns it on with the per-op check
+        everywhere (no re-runs of module calls), as --watch exact does. Without an
+        argument, say whether it is on.
         """
         from . import watch as _watch
 
         word = arg.strip().lower()
         active = _watch.active_watch()
+        session = self.mldebug_session
         if word == "":
-            state = "on" if active is not None else "off"
-            kinds = ",".join(sorted(self.mldebug_session.break_on)) or "none"
+            state = "off" if active is None else ("on (exact)" if active.exact else "on")
+            kinds = ",".join(sorted(session.break_on)) or "none"
             self.message(f"watch is {state}; break on: {kinds}")
-        elif word == "on":
+        elif word in ("on", "exact"):
+            if word == "exact":
+                session.exact_watch = True      # `watch on` later keeps it, as --watch exact
+            if active is not None and active.exact != session.exact_watch:
+                self._close_watch(active)
+                active = None
             if active is None:
                 self._start_watch()
-            self.message("watch is on")
+            self.message("watch is on (exact)" if session.exact_watch else "watch is on")
         elif word == "off":
             if active is not None:
-                # Paused inside an op, the watch's dispatch mode is not on top of the
-                # stack: it stays there inert until the program ends. Expected, not news.
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", RuntimeWarning)
-                    active.close()
+                self._close_watch(active)
             self.message("watch is off")
         else:
-            self.error(f"watch: expected 'on' or 'off', got {arg.strip()!r}")
+            self.error(f"watch: expected 'on', 'off' or 'exact', got {arg.strip()!r}")
+
+    @staticmethod
+    def _close_watch(active) -> None:
+        # Paused inside an op, the watch's dispatch mode is not on top of the stack: it
+        # stays there inert until the program ends. Expected, not news.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            active.close()
 
     def do_breakon(self, arg):
         """breakon [KIND[,KIND...]]
@@ -380,7 +417,10 @@ class MLCommands:
         """
         self._current_stop = stop
         self.message(f"mldebug: {stop.message}")
-        if stop.pause_file:
+        if stop.reason == "interrupt":
+            self.message("  (`inspect NAME`, `history`, `graph` work here; `c` continues; "
+                         "Ctrl-C again ends the program)")
+        elif stop.pause_file:
             self.message(f"  (paused at {os.path.basename(stop.pause_file)}:{stop.pause_line}; "
                          "`why` explains, `inspect NAME` shows a tensor, `c` continues)")
         else:
@@ -402,6 +442,8 @@ class MLCommands:
             self.interaction(frame, None)
         finally:
             self._initial_frame = None
+        if self._end_by_interrupt:
+            self._end_program_by_interrupt(frame)
         if self.quitting:
             raise bdb.BdbQuit
         continuing = self.stopframe is self.botframe and self.stoplineno == -1
@@ -413,6 +455,77 @@ class MLCommands:
                 f = f.f_back
         else:
             sys.settrace(self.trace_dispatch)
+
+    # -- Ctrl-C (mldebug/interrupt.py) ----------------------------------------------
+    def install_interrupts(self) -> "_interrupt.InterruptPause":
+        """Make Ctrl-C pause the program at the user's next line (first press) and end
+        it (second press, or Ctrl-C at that pause's prompt). Closed by the caller."""
+        self.interrupts = _interrupt.InterruptPause(
+            self.pause_for_interrupt, self.program_code,
+            on_traced=self._interrupt_while_traced, at_prompt=lambda: self.at_prompt,
+            interrupt_prompt=self._interrupt_prompt_thread).install()
+        return self.interrupts
+
+    # pdb reads its prompt on the main thread, where Ctrl-C's KeyboardInterrupt lands
+    _interrupt_prompt_thread = None
+
+    def pause_for_interrupt(self, frame: FrameType) -> None:
+        session = self.mldebug_session
+        stop = Stop.from_interrupt(frame, session.step)
+        session.record(stop)
+        self.pause_at(stop, frame)
+
+    def _interrupt_while_traced(self, frame: FrameType) -> None:
+        # the debugger already traces (breakpoints set, or stepping): let it stop at the
+        # next line where a pause is harmless (stop_here), as pdb's own Ctrl-C does
+        self._interrupt_pending = True
+        f = frame
+        while f is not None:
+            if f.f_trace is None:
+                f.f_trace = self.trace_dispatch
+            f = f.f_back
+        self.set_step()
+
+    def stop_here(self, frame):
+        if self._interrupt_pending:
+            return _interrupt.can_pause_at(frame, self.program_code)
+        return super().stop_here(frame)
+
+    def user_line(self, frame):
+        if self._interrupt_pending:
+            self._interrupt_pending = False
+            session = self.mldebug_session
+            stop = Stop.from_interrupt(frame, session.step)
+            session.record(stop)
+            self._current_stop = stop
+            self.message(f"mldebug: {stop.message}")
+        super().user_line(frame)
+        if self._end_by_interrupt:
+            self._end_program_by_interrupt(frame)
+
+    def _end_program_by_interrupt(self, frame) -> None:
+        self._end_by_interrupt = False
+        if self.interrupts is not None:
+            self.interrupts.ended = True
+        sys.settrace(None)
+        f = frame
+        while f is not None:
+            f.f_trace = None
+            f = f.f_back
+        raise KeyboardInterrupt
+
+    # -- end of input -----------------------------------------------------------------
+    def do_EOF(self, arg):
+        """EOF
+        End of input (Ctrl-D) quits. When input is not a terminal (a pipe, a file,
+        /dev/null), the run ends with exit status 3, as --batch would: a script fed
+        to the prompt must not look like a success when the program stopped.
+        """
+        if not _is_tty(self.stdin):
+            self.mldebug_session.input_ended = True
+            print("mldebug: input ended at a stop; use --batch in scripts",
+                  file=sys.stderr, flush=True)
+        return super().do_EOF(arg)
 
     def post_mortem_at(self, tb) -> None:
         """Post-mortem prompt at the innermost user frame of TB."""
@@ -434,7 +547,8 @@ class MLPdb(MLCommands, pdb.Pdb):
     """mldebug's debugger on a plain text stream (pipes, tests)."""
 
     def __init__(self, completekey="tab", stdin=None, stdout=None, session=None, **kwargs):
-        kwargs.setdefault("skip", ["mldebug", "mldebug.*"])
+        kwargs.setdefault("skip", _SKIP)
+        kwargs.setdefault("nosigint", True)   # Ctrl-C is mldebug's (interrupt.py)
         pdb.Pdb.__init__(self, completekey, stdin, stdout, **kwargs)
         self._init_ml(session)
 
@@ -447,14 +561,120 @@ def _ipython_class():
         return None
 
     class MLIPdb(MLCommands, TerminalPdb):
-        """mldebug's debugger on a terminal: IPython's colours and completion."""
+        """mldebug's debugger on a terminal: IPython's colours and completion, and
+        ipdb's configuration of the context lines."""
 
         def __init__(self, session=None, **kwargs):
-            kwargs.setdefault("skip", ["mldebug", "mldebug.*"])
+            kwargs.setdefault("skip", _SKIP)
+            kwargs.setdefault("nosigint", True)   # Ctrl-C is mldebug's (interrupt.py)
+            context = _ipdb_context()
+            if context is not None:
+                kwargs.setdefault("context", context)
             TerminalPdb.__init__(self, **kwargs)
             self._init_ml(session)
 
+        _ctrl_c_waiting = False   # a Ctrl-C came before prompt_toolkit read the keys
+
+        def _interrupt_prompt_thread(self):
+            # IPython reads the prompt on a worker thread: a KeyboardInterrupt raised in
+            # the main thread would leave that thread reading (and the process unable to
+            # exit); the prompt itself raises it, as it does for a Ctrl-C key
+            app = getattr(getattr(self, "pt_app", None), "app", None)
+            if app is not None and app.is_running and app.loop is not None:
+                def _exit():
+                    try:
+                        app.exit(exception=KeyboardInterrupt)
+                    except Exception:  # noqa: BLE001 - it was leaving anyway
+                        pass
+                app.loop.call_soon_threadsafe(_exit)
+            else:
+                self._ctrl_c_waiting = True
+
+        def _prompt(self):
+            if self._ctrl_c_waiting:
+                self._ctrl_c_waiting = False
+                raise KeyboardInterrupt
+            return super()._prompt()
+
+        def pt_init(self, pt_session_options=None):
+            # mldebug's commands are single lines: Enter submits the line even when it
+            # is not complete Python (`inspect (` answers with an error, rather than
+            # opening a continuation that only Ctrl-C leaves)
+            options = dict(pt_session_options or {})
+            options.setdefault("key_bindings", _enter_submits(self.shell))
+            return super().pt_init(options)
+
     return MLIPdb
+
+
+def _ipdb_context() -> Optional[int]:
+    """The context lines ipdb users configured (IPDB_CONTEXT_SIZE, or `context` in
+    [tool.ipdb] of pyproject.toml, setup.cfg [ipdb], ~/.ipdb), None when unset or bad."""
+    text = os.environ.get("IPDB_CONTEXT_SIZE")
+    where = "IPDB_CONTEXT_SIZE"
+    if text is None:
+        try:
+            from ipdb.__main__ import get_config
+            parser = get_config()
+            if not parser.has_option("ipdb", "context"):
+                return None
+            text = parser.get("ipdb", "context")
+            where = f"context in {getattr(parser, 'filepath', 'the ipdb configuration')}"
+        except Exception:  # noqa: BLE001 - ipdb missing or a config it cannot read
+            return None
+    try:
+        context = int(text)
+        if context < 1:
+            raise ValueError
+    except ValueError:
+        print(f"mldebug: warning: {where}={text!r} is not a positive integer; "
+              "showing the default context", file=sys.stderr)
+        return None
+    return context
+
+
+def _enter_submits(shell):
+    """IPython's key bindings, with Enter submitting the line as typed and Ctrl-C on an
+    empty line reaching the debugger."""
+    from IPython.terminal.shortcuts import create_ipython_shortcuts
+    from prompt_toolkit.filters import has_focus
+    from prompt_toolkit.enums import DEFAULT_BUFFER
+    from prompt_toolkit.key_binding import KeyBindings, merge_key_bindings
+
+    own = KeyBindings()
+
+    @own.add("enter", filter=has_focus(DEFAULT_BUFFER))
+    def _submit(event):
+        buffer = event.current_buffer
+        if buffer.complete_state:   # a completion menu is open: Enter takes the choice
+            chosen = buffer.complete_state.current_completion
+            if chosen:
+                buffer.apply_completion(chosen)
+            else:
+                buffer.cancel_completion()
+            return
+        buffer.validate_and_handle()
+
+    @own.add("c-c", filter=has_focus(DEFAULT_BUFFER))
+    def _ctrl_c(event):
+        # with text typed, Ctrl-C clears the line (IPython's way); on an empty line it
+        # is a Ctrl-C for the debugger: pdb's "--KeyboardInterrupt--", and at the
+        # prompt of a Ctrl-C pause the end of the program (MLCommands.cmdloop)
+        buffer = event.current_buffer
+        if buffer.text:
+            buffer.reset()
+        else:
+            event.app.exit(exception=KeyboardInterrupt, style="class:aborting")
+
+    # the last binding that matches a key wins in prompt_toolkit: ours, for Enter
+    return merge_key_bindings([create_ipython_shortcuts(shell), own])
+
+
+def _is_tty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def _on_terminal() -> bool:

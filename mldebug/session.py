@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 from . import frames as _frames
 
-REASONS = ("nan", "inf", "assertion", "exception", "breakpoint")
+REASONS = ("nan", "inf", "assertion", "exception", "breakpoint", "interrupt")
 STAGES = ("forward", "backward", "optimizer", "other")
 BREAK_ON_CHOICES = ("nan", "inf", "inf-all", "assert", "exception", "none")
 DEFAULT_BREAK_ON = frozenset({"nan", "inf", "assert", "exception"})
@@ -175,6 +175,16 @@ class Stop:
                    file=file, line=line, function=function)
 
 
+    @classmethod
+    def from_interrupt(cls, frame: Optional[FrameType], step: Optional[int] = None) -> "Stop":
+        """Ctrl-C paused the program at FRAME (mldebug/interrupt.py)."""
+        file, line, function = _frames.location(frame)
+        where = f" at {os.path.basename(file)}:{line} in {function}" if file else ""
+        when = f" [step {step}]" if step is not None else ""
+        return cls(reason="interrupt", message=f"interrupted (Ctrl-C){where}{when}",
+                   file=file, line=line, function=function, step=step)
+
+
 def parse_break_on(text: str | list | tuple | set) -> frozenset:
     """`'nan,inf'` → {'nan', 'inf'}; 'none' → empty. Raises ValueError naming a bad word."""
     words = text.split(",") if isinstance(text, str) else list(text)
@@ -212,6 +222,7 @@ class Session:
         self.stops: list[Stop] = []
         self.last_violation: Optional[Violation] = None
         self.batch_stopped = False
+        self.input_ended = False   # the prompt read end of input from a pipe (exit 3)
         self.step: Optional[int] = None
         self.allow: tuple = ()  # the watch's exemptions (--allow), kept for `watch on`
         self.exact_watch = False  # --watch exact: the per-op check everywhere

@@ -279,3 +279,97 @@ def test_inspect_module_and_container_at_the_prompt(write_program):
     assert "0.weight  [4, 3]" in out
     assert "x: tensor[2, 3] f32" in out
     assert "y: tensor[2] i64" in out
+
+
+# -- the prompt keeps pdb's promises (end of input, why, watch exact, shutdown) --------
+
+NAN_PROGRAM = """
+    import torch
+    x = torch.zeros(3)
+    y = torch.log(x) * 0      # -inf * 0 = NaN
+    print("after", y)
+"""
+
+
+def test_end_of_input_at_a_stop_says_so_and_exits_3(write_program):
+    prog = write_program(NAN_PROGRAM)
+    result = run_cli([str(prog)], stdin="")          # stdin ends at the NaN stop
+    assert result.returncode == 3, result.stderr
+    assert "mldebug: input ended at a stop; use --batch in scripts" in result.stderr
+    assert "after" not in result.stdout
+
+
+def test_end_of_input_at_a_breakpoint_also_exits_3(write_program):
+    prog = write_program("""
+        x = 1
+        breakpoint()
+        print("after", x)
+    """)
+    result = run_cli([str(prog)], stdin="p x\n")
+    assert result.returncode == 3, result.stderr
+    assert result.stderr.count("input ended at a stop") == 1
+    assert "after 1" not in result.stdout      # the program did not run on
+
+
+def test_end_of_input_in_post_mortem_keeps_exit_status_1(write_program):
+    prog = write_program("""
+        raise ValueError("boom")
+    """)
+    result = run_cli([str(prog)], stdin="")
+    assert result.returncode == 1, result.stderr
+    assert "input ended at a stop" in result.stderr
+
+
+def test_why_before_any_stop_is_one_line(write_program):
+    prog = write_program("""
+        x = 1
+        print("x", x)
+    """)
+    result = run_cli(["--stop-at-start", str(prog)], stdin="why\nc\n")
+    assert result.returncode == 0, result.stderr
+    assert "why: nothing has stopped the program yet" in result.stdout
+    assert "internal error" not in result.stdout + result.stderr
+    assert "Error" not in result.stdout.split("why:")[1].splitlines()[0]
+
+
+def test_a_breakpoint_still_set_at_exit_prints_nothing_extra(write_program):
+    prog = write_program("""
+        def f(x):
+            return x + 1
+        breakpoint()
+        print("done")
+    """)
+    result = run_cli([str(prog)], stdin="b 3\nc\n")
+    assert result.returncode == 0, result.stderr
+    assert "done" in result.stdout
+    assert result.stderr == ""          # no "Exception ignored ... fnmatch" at shutdown
+
+
+def test_breakpoint_under_stop_at_start_lands_in_the_users_code(write_program):
+    prog = write_program("""
+        x = 1
+        breakpoint()
+        print("done", x)
+    """)
+    result = run_cli(["--stop-at-start", str(prog)], stdin="c\nc\n")
+    assert result.returncode == 0, result.stderr
+    assert f"> {prog}(4)<module>()" in result.stdout
+    assert "bdb.py" not in result.stdout and "pdb.py" not in result.stdout
+
+
+def test_watch_exact_at_the_prompt_as_on_the_command_line(write_program):
+    prog = write_program("""
+        import torch
+        breakpoint()
+        x = torch.zeros(3)
+        y = torch.log(x) * 0
+        print("after")
+    """)
+    result = run_cli(["--watch", "off", str(prog)],
+                     stdin="watch\nwatch exact\nwatch\nc\nwhy\nq\n")
+    out = result.stdout
+    assert "watch is off" in out
+    assert "watch is on (exact)" in out
+    assert "watch is on (exact); break on:" in out
+    assert "from aten.log.default" in out     # the exact watch stopped at the op
+    assert "after" not in out

@@ -140,3 +140,44 @@ def test_double_dash_protects_a_script_name_that_starts_with_a_dash(write_progra
     result = run_cli(["--", "-dash.py", "a"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "['-dash.py', 'a']" in result.stdout
+
+
+def test_record_into_a_folder_that_cannot_be_written_is_one_clear_oserror(write_program, tmp_path):
+    (tmp_path / "afile").write_text("not a folder")
+    prog = write_program("""
+        import torch, mldebug
+        model = torch.nn.Linear(4, 2)
+        try:
+            mldebug.record(model, run_dir="afile/runs")
+        except OSError as exc:
+            print("caught", type(exc).__name__, exc)
+        print("hooks left", len(model._forward_hooks))
+    """)
+    result = subprocess.run([sys.executable, str(prog)], capture_output=True, text=True,
+                            cwd=tmp_path, env=clean_env(), timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert ("caught NotADirectoryError mldebug.record: cannot write runs in "
+            "run_dir='afile/runs'") in result.stdout
+    assert "pass run_dir= a folder you can write to" in result.stdout
+    assert "hooks left 0" in result.stdout
+
+
+def test_verbose_shows_the_recorders_fallback_once_and_is_quiet_without(write_program, tmp_path):
+    prog = write_program("""
+        import torch, mldebug
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with mldebug.record(model, run_dir="runs", run="r"):
+            for _ in range(3):
+                optimizer.zero_grad()
+                model(torch.randn(3, 4)).sum().backward()
+                optimizer.step()
+        print("recorded")
+    """)
+    env = clean_env(MLDEBUG_NATIVE="0")
+    loud = run_cli(["-v", str(prog)], cwd=tmp_path, env=env)
+    assert loud.returncode == 0, loud.stderr
+    assert loud.stderr.count("the recorder's C kernel is not used (MLDEBUG_NATIVE=0)") == 1
+    quiet = run_cli([str(prog)], cwd=tmp_path, env=env)
+    assert quiet.returncode == 0 and "recorded" in quiet.stdout
+    assert "kernel" not in quiet.stderr

@@ -74,6 +74,20 @@ def wait_text(page, pattern: str, timeout: float = 20.0) -> str:
         page.wait_for_timeout(100)
 
 
+def wait_until(page, read, ok, timeout: float = 20.0):
+    """READ() again and again until OK(value) holds; returns that value. Waits on the
+    state the test needs (a drawn canvas), never on a fixed time: a loaded machine
+    draws late."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = read()
+        if ok(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still not there after {timeout} s: {value!r}")
+        page.wait_for_timeout(100)
+
+
 def div_text(page, css_class: str) -> str:
     return " ".join(page.locator(f".{css_class}").first.evaluate(
         "e => (e.shadowRoot || e).textContent").split())
@@ -229,10 +243,10 @@ def test_heatmap_renders_nonfinite_in_their_colours_and_hover_shows_index_and_va
     wait_text(page, r"grid tensor\[200, 300\] f32")
     wait_text(page, r"NaN\s*400")                       # the stats table, full pass
     canvas = page.locator(".mld-heatmap canvas").first
-    page.wait_for_timeout(300)
-    pixels = canvas.evaluate(PIXELS_JS)
-    assert pixels["colours"] > 50, pixels               # not blank: a real heatmap
-    assert pixels["nan"] > 100 and pixels["posinf"] > 100 and pixels["neginf"] > 100, pixels
+    # not blank (a real heatmap) and every non-finite block drawn in its colour
+    wait_until(page, lambda: canvas.evaluate(PIXELS_JS),
+               lambda px: px["colours"] > 50 and px["nan"] > 100 and px["posinf"] > 100
+               and px["neginf"] > 100)
 
     # hover at the centre of the 20x20 NaN block, then over a finite cell
     box = canvas.bounding_box()
@@ -367,12 +381,12 @@ def test_graph_colours_the_bad_module_and_a_click_shows_a_node_output(browser, t
         assert labels[0].startswith("(root) (Sequential)")
         assert "0 (Linear) [2, 8] f32" in labels and "1 (ReLU) [2, 8] f32" in labels
         assert any(re.fullmatch(r"2 \(Explode\).* NaN/Inf!", x) for x in labels), labels
-        page.wait_for_timeout(300)
         canvas = page.locator(".mld-graph canvas").first
-        red = canvas.evaluate("""c => { const d = c.getContext('2d').getImageData(0, 0,
+        red_js = """c => { const d = c.getContext('2d').getImageData(0, 0,
             c.width, c.height).data; let n = 0; for (let i = 0; i < d.length; i += 4)
-            if (d[i] === 255 && d[i+1] === 107 && d[i+2] === 107) n++; return n; }""")
-        assert red > 50            # the Explode row is drawn in the non-finite colour
+            if (d[i] === 255 && d[i+1] === 107 && d[i+2] === 107) n++; return n; }"""
+        # the Explode row is drawn in the non-finite colour
+        wait_until(page, lambda: canvas.evaluate(red_js), lambda red: red > 50)
         # a click on the Explode row (what the TapTool does: select it in its source)
         page.evaluate("""() => { const doc = Bokeh.documents[0];
             const src = doc.get_model_by_name('mld-graph-nodes');

@@ -65,7 +65,9 @@ Store and safety
 from __future__ import annotations
 
 import inspect as _inspect
+import os as _os
 import sys as _sys
+import tempfile as _tempfile
 import types as _types
 
 from . import recorder as _recorder
@@ -82,11 +84,25 @@ def _record(model=None, log=LOGS, every=1, modules=None, children=None, conditio
            background=True) -> Recorder:
     """Start recording MODEL (or only scalars/named tensors when None); returns the
     running Recorder (a context manager; close() ends it)."""
+    _check_run_dir(run_dir)
     return Recorder(model, log=log, every=every, modules=modules, children=children,
                     condition=condition, capture=capture, run_dir=run_dir, run=run,
                     note=note, bins=bins, sample=sample, clip=clip, batch_dim=batch_dim,
                     training_only=training_only, if_exists=if_exists, step=step,
                     background=background).start()
+
+
+def _check_run_dir(run_dir) -> None:
+    """A folder runs cannot be written to is one clear OSError (of the same kind),
+    before anything is hooked: not a traceback through the recorder at step 0."""
+    try:
+        _os.makedirs(run_dir, exist_ok=True)
+        with _tempfile.TemporaryFile(dir=run_dir):
+            pass
+    except OSError as exc:
+        raise type(exc)(f"mldebug.record: cannot write runs in run_dir={str(run_dir)!r}: "
+                        f"{exc.strerror or exc}; pass run_dir= a folder you can write to"
+                        ) from None
 
 
 def log_tensor(name: str, t, role: str = "") -> None:

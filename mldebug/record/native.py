@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shlex
@@ -33,6 +34,7 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fused.c")
 # numpy's do (`stats._histograms`), bin for bin
 _FLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared")
 _STATE: dict = {}      # "kernel": Kernel or None, "reason": why None
+_log = logging.getLogger(__name__)
 OUT_WIDTH = 21         # fused.c: row (9), summary (10), histogram range (2); then counts
 
 
@@ -79,6 +81,9 @@ def kernel() -> Optional[Kernel]:
         except (OSError, subprocess.SubprocessError, ValueError, AttributeError) as exc:
             why = f"{type(exc).__name__}: {exc}"
     _STATE["kernel"], _STATE["reason"] = k, why
+    if k is None:   # once per process: the recording goes on, only slower
+        _log.warning("the recorder's C kernel is not used (%s): CPU statistics take the "
+                     "torch path (same figures, slower)", why)
     return k
 
 
