@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-S = importlib.import_module("mldebug.summary")
+S = importlib.import_module("mldebug.summaries")
 
 try:
     import lovely_tensors as lt

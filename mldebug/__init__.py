@@ -14,20 +14,31 @@ Public API (all lazy, so `import mldebug` stays cheap and patches nothing):
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 import logging as _logging
+
+from .core.version import __version__  # noqa: F401
 
 # One logger for the package (each module logs to `mldebug.<module>`), quiet unless the
 # program configures logging or the CLI runs with -v: a library does not print.
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
-from .errors import MLDebugError, NonFiniteError, UsageError  # noqa: F401
+from .core.errors import MLDebugError, NonFiniteError, UsageError  # noqa: F401
 
-# Imported eagerly on purpose: importing the submodule `mldebug.summary` anywhere would
-# otherwise bind the *module* to `mldebug.summary` and shadow the function. The module
-# imports only numpy and torch, which every user of mldebug has loaded anyway.
-from .summary import TensorSummary, describe, summary  # noqa: E402,F401
+# The summaries are imported eagerly: they need only numpy and torch, which every user
+# of mldebug has loaded anyway.
+from .summaries import TensorSummary, describe, summary  # noqa: E402,F401
+
+from .core.session import Session as _Session  # noqa: E402
+
+
+def _default_pauser(session):
+    # lazy: the prompt and debugpy's glue load only when a stop needs them, never at
+    # `import mldebug`
+    from .frontends import default_pauser
+    return default_pauser(session)
+
+
+_Session.default_pauser = _default_pauser
 
 _LAZY = {
     "set_trace": ("debugger", "set_trace"),
@@ -40,8 +51,8 @@ _LAZY = {
     "log_tensor": ("record", "log_tensor"),
     "log_scalar": ("record", "log_scalar"),
     "log_note": ("record", "log_note"),
-    "Stop": ("session", "Stop"),
-    "Violation": ("session", "Violation"),
+    "Stop": ("core.records", "Stop"),
+    "Violation": ("core.records", "Violation"),
     "trace": ("graph", "trace"),
     "scan": ("graph", "scan"),
     "Graph": ("graph", "Graph"),

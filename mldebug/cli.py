@@ -18,9 +18,11 @@ import traceback
 import types
 import warnings
 
-from . import __version__
-from . import frames as _frames
-from . import session as _session
+from .core.version import __version__
+from .core import frames as _frames
+from .core import break_on as _break_on
+from .core import records as _records
+from .core import session as _session
 
 EXIT_USAGE = 2
 EXIT_BATCH_STOP = 3
@@ -286,7 +288,7 @@ def _close_watches(started) -> None:
         for watch in _watches(started):
             try:
                 watch.close()
-            except (_session.BatchStop, bdb.BdbQuit):
+            except (_records.BatchStop, bdb.BdbQuit):
                 pass     # a stop in what was pending: printed and reported already
 
 
@@ -305,7 +307,7 @@ def run(args) -> int:
     """Run the program described by parsed ARGS; returns the exit status."""
     _show_log(getattr(args, "verbose", 0))
     try:
-        break_on = _session.parse_break_on(args.break_on)
+        break_on = _break_on.parse_break_on(args.break_on)
     except ValueError as exc:
         print(f"mldebug: error: --break-on: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -343,6 +345,7 @@ def run(args) -> int:
         pass  # no pdb: the DAP client is the user interface
     elif not args.batch:
         debugger = _debugger.get_debugger(session, plain=True if args.plain else None)
+        session.pauser = debugger.pause_at
         debugger.rcLines.extend(args.commands)
         debugger.program_code = program.code
     elif args.commands:
@@ -389,7 +392,7 @@ def run(args) -> int:
         return EXIT_BATCH_STOP if session.batch_stopped or session.input_ended else 0
     except SystemExit as exc:
         return _exit_status(exc)
-    except _session.BatchStop:
+    except _records.BatchStop:
         return EXIT_BATCH_STOP
     except bdb.BdbQuit:
         return EXIT_BATCH_STOP if session.input_ended else 0
@@ -436,7 +439,7 @@ def _post_mortem(exc: BaseException, session: _session.Session, debugger) -> int
     traceback.print_exception(type(exc), exc, tb)
     sys.stderr.flush()
     status = 130 if isinstance(exc, KeyboardInterrupt) else EXIT_EXCEPTION
-    stop = _session.Stop.from_exception(exc, _innermost_user_frame(tb))
+    stop = _records.Stop.from_exception(exc, _innermost_user_frame(tb))
     session.record(stop)
     if debugger is None or not session.wants("exception") or tb is None:
         print(f"mldebug: stop: {stop.message}", file=sys.stderr, flush=True)

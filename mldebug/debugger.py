@@ -17,10 +17,12 @@ import warnings
 from types import FrameType
 from typing import Optional
 
-from . import frames as _frames
+from .core import frames as _frames
 from . import interrupt as _interrupt
-from . import session as _session
-from .session import Stop
+from .core import break_on as _break_on
+from .core import records as _records
+from .core import session as _session
+from .core.records import Stop
 
 PROMPT = "(mldebug) "
 # modules never stepped into: mldebug's own, and the debugger's (a breakpoint() reached
@@ -163,7 +165,7 @@ class MLCommands:
         if not ok:
             self.error(f"inspect {expr}: {value}")
             return
-        from .summary import describe
+        from .summaries import describe
 
         self.message(describe(value, name=expr))
         view = sys.modules.get("mldebug.view")   # not imported: no view runs
@@ -264,7 +266,7 @@ class MLCommands:
             self.message(f"break on: {kinds}")
             return
         try:
-            kinds = _session.parse_break_on(text)
+            kinds = _break_on.parse_break_on(text)
         except ValueError as exc:
             self.error(f"breakon: {exc}")
             return
@@ -337,10 +339,7 @@ class MLCommands:
             self.error("graph: no forward pass seen yet (or graph capture is off); "
                        "try graph model(x)")
             return
-        violation = self.mldebug_session.last_violation
-        if violation is not None and violation.module:
-            graph.mark(violation.module,
-                       violation.kind if violation.kind != "assertion" else violation.assertion)
+        graph.mark_violation(self.mldebug_session.last_violation)
         self.message(graph.format(depth=depth, path=target or None))
 
     def do_assertions(self, arg):
@@ -688,8 +687,9 @@ _debugger = None
 
 
 def get_debugger(session: Optional[_session.Session] = None, plain: Optional[bool] = None):
-    """The process's debugger, created on first use and wired to the session as its
-    pauser."""
+    """The process's debugger for SESSION, created on first use (IPython's prompt on a
+    terminal, plain pdb on a pipe or with PLAIN). The caller that wants it to pause the
+    session's stops says so: `session.pauser = debugger.pause_at`."""
     global _debugger
     session = session or _session.current()
     if _debugger is None or _debugger.mldebug_session is not session:
@@ -697,7 +697,6 @@ def get_debugger(session: Optional[_session.Session] = None, plain: Optional[boo
             plain = os.environ.get("MLDEBUG_PLAIN", "") not in ("", "0") or not _on_terminal()
         cls = None if plain else _ipython_class()
         _debugger = cls(session=session) if cls is not None else MLPdb(session=session)
-    session.pauser = _debugger.pause_at
     return _debugger
 
 

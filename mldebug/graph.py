@@ -56,11 +56,11 @@ import torch.nn.modules.module as _module_hooks
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from . import replay as _replay
-from .modnames import module_names
-from .structs import tensors_in
-from .summary import _num, short_dtype
-from .summary import summary as _tensor_summary
+from .core import replay as _replay
+from .core.modnames import module_names
+from .core.structs import tensors_in
+from .summaries import format_number, short_dtype
+from .summaries import summary as _tensor_summary
 
 __all__ = ["Node", "Graph", "Capture", "trace", "scan", "active_capture", "last_graph"]
 
@@ -376,11 +376,11 @@ class Graph:
             if n.open and not n.error:
                 marks.append("(running)")
             if n.grads:
-                marks.append(f"‖∇out‖={_num(n.grads[-1])}")
+                marks.append(f"‖∇out‖={format_number(n.grads[-1])}")
             elif stats and n.kind == "module":
                 g = n.param_grad_norm(recurse=False)
                 if g is not None:
-                    marks.append(f"‖∇param‖={_num(g)}")
+                    marks.append(f"‖∇param‖={format_number(g)}")
             table.append(("  " * level + name + more, n.type, _fmt_meta(n.outputs), stat,
                           " ".join(marks)))
         head = ("path", "type", "output", "stats", "")
@@ -401,7 +401,7 @@ class Graph:
 
 
 def _stat_text(n: Node) -> str:
-    num = _num
+    num = format_number
     sums = n.summaries()
     if not sums:
         return ""
@@ -947,7 +947,7 @@ class Scan:
         if self._on_violation is not None:
             self._on_violation(v)
         else:
-            from .session import current
+            from .core.session import current
             current().on_violation(v)
 
     def __exit__(self, exc_type, exc, tb):

@@ -28,8 +28,8 @@ import time
 from types import FrameType
 from typing import Callable, Optional
 
-from . import frames as _frames
-from . import replay as _replay
+from .core import frames as _frames
+from .core import replay as _replay
 
 # A second Ctrl-C within this many seconds of the first ends the program even when the
 # pause has already landed (a user pressing it twice means "stop").

@@ -15,9 +15,9 @@ import torch
 import torch.nn as nn
 
 import mldebug
-from mldebug import slicing
+from mldebug.summaries import slicing
 from mldebug.record import open_run
-from mldebug.summary import summary
+from mldebug.summaries import summary
 
 from conftest import clean_env, marker_line, needs_cuda, read_report, run_cli
 from test_record_history import BLOWUP

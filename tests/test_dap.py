@@ -75,7 +75,7 @@ class TestLaunchStopsOnNaN:
         info = dap.request("exceptionInfo", {"threadId": thread})
         assert info["exceptionId"] == "NonFiniteError"
         assert "NaN" in info["description"] and "log" in info["description"]
-        assert "mldebug.errors.NonFiniteError" in info["details"]["stackTrace"]
+        assert "mldebug.core.errors.NonFiniteError" in info["details"]["stackTrace"]
 
         # the custom event the panel listens to came before the stop
         stop_event = dap.wait_event("mldebug.stop", timeout=5)
@@ -311,13 +311,14 @@ class TestPanelJson:
         assert json.loads(self.panel().frame_json(ns, limit=1))["truncated"] == 2
 
     def test_stop_json_and_graph_json(self):
-        from mldebug import session as _session
+        from mldebug.core import records as _records
+        from mldebug.core import session as _session
         panel = self.panel()
         saved = _session._current
         try:
             s = _session.install(_session.Session())
             assert json.loads(panel.stop_json()) == {"stop": None}
-            s.record(_session.Stop(reason="nan", message="1 NaN from aten.log.default", op="aten.log.default"))
+            s.record(_records.Stop(reason="nan", message="1 NaN from aten.log.default", op="aten.log.default"))
             assert json.loads(panel.stop_json())["stop"]["op"] == "aten.log.default"
         finally:
             _session._current = saved

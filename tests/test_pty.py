@@ -217,3 +217,16 @@ def test_ipdb_context_setting_is_honoured(write_program, tmp_path):
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+def test_under_batch_ctrl_c_ends_the_program(write_program, tmp_path):
+    write_program(TRAIN, name="train.py")
+    child = spawn(["--batch", "train.py"], tmp_path)
+    child.expect("training")
+    child.sendintr()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 130
+    shown = everything(child)
+    assert "KeyboardInterrupt" in shown and "weights" not in shown
+    assert "interrupted (Ctrl-C)" not in shown       # no pause: a CI run never waits

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 import mldebug
-from mldebug.errors import UsageError
+from mldebug.core.errors import UsageError
 from mldebug.record import Capture, native, open_run
 from mldebug.record.timeline import compare, timeline
 

@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-from mldebug.session import Session, Stop, Violation, parse_break_on
+from mldebug.core.records import Stop, Violation
+from mldebug.core.break_on import parse_break_on
+from mldebug.core.session import Session
 
 REPORT_KEYS = {"reason", "message", "file", "line", "function", "stage", "op", "module",
                "assertion"}

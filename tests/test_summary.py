@@ -1,4 +1,4 @@
-"""Exact-string and field tests of mldebug.summary across the dtype/layout zoo."""
+"""Exact-string and field tests of mldebug.summaries across the dtype/layout zoo."""
 import collections
 import importlib
 import json
@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from mldebug.summary import describe, has_nonfinite, nonfinite_counts, short_dtype, summary
+from mldebug.summaries import describe, has_nonfinite, nonfinite_counts, short_dtype, summary
 
-S = importlib.import_module("mldebug.summary")  # the module; mldebug.summary is the function
+S = importlib.import_module("mldebug.summaries.compute")       # PIECE, _reduce
+T = importlib.import_module("mldebug.summaries.tensor_summary")  # HIST_BINS
+D = importlib.import_module("mldebug.summaries.describe")        # REPR_MAX, DESCRIBE_WIDTH
 NAN, INF = math.nan, math.inf
 
 
@@ -175,7 +177,7 @@ def test_matches_reference_stats():
     assert s.mean == pytest.approx(d.mean().item(), rel=1e-5)
     assert s.std == pytest.approx(d.std().item(), rel=1e-5)
     assert (s.min, s.max) == (x.min().item(), x.max().item())
-    assert s.hist_sampled and len(s.hist) == S.HIST_BINS
+    assert s.hist_sampled and len(s.hist) == T.HIST_BINS
 
 
 def test_cancellation_and_overflow_fall_back_to_exact():
@@ -306,10 +308,10 @@ def test_describe_bounded_and_safe():
         def __repr__(self):
             raise ValueError("nope")
     assert describe(Bad()) == "<repr failed: ValueError: nope>"
-    assert len(describe(list(range(100_000)))) <= S.REPR_MAX
+    assert len(describe(list(range(100_000)))) <= D.REPR_MAX
     many = describe([torch.zeros(2)] * 100).splitlines()
     assert len(many) == 1 + 50 + 1 and many[-1] == "  ... 50 more"
     wide = describe({"k": "x" * 10_000}).splitlines()
-    assert all(len(line) <= S.DESCRIBE_WIDTH for line in wide)
+    assert all(len(line) <= D.DESCRIBE_WIDTH for line in wide)
     assert describe(3.5) == "3.5"
     assert describe(torch.arange(3.)).startswith("tensor[3] f32 x∈[0.000, 2.000]")

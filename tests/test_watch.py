@@ -13,8 +13,9 @@ import torch.nn.modules.module as module_hooks
 import torch.optim.optimizer as optim_hooks
 
 import mldebug
-from mldebug import session as session_mod
-from mldebug.errors import NonFiniteError, UsageError
+from mldebug.core import records as records_mod
+from mldebug.core import session as session_mod
+from mldebug.core.errors import NonFiniteError, UsageError
 from mldebug.watch import Watch, active_watch, allow, watch
 
 PROGRAMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs")
@@ -210,7 +211,7 @@ def test_batch_session_stop_cleans_up():
     old = session_mod._current
     session_mod.install(session_mod.Session(batch=True, out=open(os.devnull, "w")))
     try:
-        with pytest.raises(session_mod.BatchStop):
+        with pytest.raises(records_mod.BatchStop):
             with watch():        # on_violation=None: the session decides
                 nn.Sequential(nn.Identity())(torch.log(torch.zeros(3)))
         assert session_mod.current().stops[0].op == "aten.log.default"

@@ -229,7 +229,7 @@ def test_the_mode_is_back_on_the_stack_after_a_call_that_raised():
 
 def test_mldebug_watch_accepts_exact_and_rejects_nonsense():
     import pytest
-    from mldebug.errors import UsageError
+    from mldebug.core.errors import UsageError
     with pytest.raises(UsageError, match="exact"):
         mldebug.watch(exact="yes")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 from .base import VERSION, Assertion
 
 _LOCK = threading.RLock()

@@ -32,10 +32,10 @@ import torch.optim.optimizer as _optim_hooks
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from .. import autograd_patch as _autograd_patch
-from .. import frames as _frames
-from .. import replay as _replay
-from ..structs import tensors_in
+from ..core import autograd_patch as _autograd_patch
+from ..core import frames as _frames
+from ..core import replay as _replay
+from ..core.structs import tensors_in
 from . import registry as _registry
 from .base import (BACKWARD, BEFORE_BACKWARD, BEFORE_STEP, FORWARD, OPTIMIZER, STOP_STAGE,
                    FunctionAssertion, ParamAssertion, TensorAssertion, TensorNodeAssertion)
@@ -487,7 +487,8 @@ class Runner:
         return True
 
     def _report(self, a, stage, module="", module_type="", param="", node="") -> None:
-        from ..session import Violation, current
+        from ..core.records import Violation
+        from ..core.session import current
         frame = _frames.user_frame(sys._getframe(1))
         file, line, function = _frames.location(frame)
         if module and not module_type:

@@ -29,10 +29,12 @@ from __future__ import annotations
 import json
 import math
 
-from .. import slicing as _slicing
+from ..summaries import slicing as _slicing
+from ..core import session as _session
+from ..core.quiet import watch_suspended
 # the slicing itself lives in mldebug.slicing (shared with the browser view); these names
 # stay importable from here
-from ..slicing import (EXACT_STATS_MAX, HIST_BINS, NONFINITE_MAX,  # noqa: F401
+from ..summaries.slicing import (EXACT_STATS_MAX, HIST_BINS, NONFINITE_MAX,  # noqa: F401
                        NONFINITE_SCAN_MAX, _choose_slice, _downsample, _image, _is_fake,
                        _kinds, _png, _slice_stats)
 
@@ -56,7 +58,6 @@ def _error(exc: BaseException | str) -> str:
 
 def _safe(fn):
     def wrapper(*args, **kwargs):
-        from . import watch_suspended
         try:
             with watch_suspended():
                 return fn(*args, **kwargs)
@@ -73,8 +74,7 @@ def _safe(fn):
 @_safe
 def stop_json() -> str:
     """{"stop": the session's last stop as Stop.to_dict(), or null}."""
-    from .. import session as _session
-    current = _session._current  # noqa: SLF001 - do not create a session just to look
+    current = _session.current_if_any()   # a look must not create a session
     stop = None
     if current is not None and current.stops:
         stop = current.stops[-1].to_dict()
@@ -85,7 +85,7 @@ def stop_json() -> str:
 @_safe
 def frame_json(namespace: dict, limit: int = 50) -> str:
     """Every tensor/array of NAMESPACE (and one level inside containers), summarised."""
-    from . import variables as _v
+    from ..summaries import budgeted as _v
     if not isinstance(namespace, dict):
         return _error(f"frame_json expects a dict such as locals(), got {type(namespace).__name__}")
     limit = max(0, int(limit))
@@ -143,7 +143,7 @@ def tensor_json(value, name: str = "", dims=None, index=None, grad: bool = False
     A 1-D tensor is one row (dims [null, 0]); a 0-d tensor one cell (dims [null, null]).
     """
     import numpy as np
-    from . import variables as _v
+    from ..summaries import budgeted as _v
 
     try:
         s = _slicing.slice_plane(value, name, dims, index, grad, max_side)

@@ -19,8 +19,10 @@ import types
 from types import FrameType
 from typing import Optional
 
-from .. import errors as _errors
-from .. import frames as _frames
+from ..core import errors as _errors
+from ..core import frames as _frames
+from ..core.quiet import watch_suspended
+from .pydevd_api import client_connected, send_event
 
 
 def _exception_type(reason: str) -> type:
@@ -56,8 +58,6 @@ class DapPauser:
         self.pauses = 0
 
     def __call__(self, stop, frame: Optional[FrameType]) -> None:
-        from . import client_connected, send_event, watch_suspended
-
         if frame is None:
             frame = _frames.caller_user_frame(1) or sys._getframe(1)
         if not client_connected():

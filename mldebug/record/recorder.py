@@ -17,10 +17,10 @@ import torch
 import torch.nn as nn
 from torch.optim import optimizer as _optim_hooks
 
-from .. import replay as _replay
-from ..errors import UsageError
-from ..modnames import module_names
-from ..structs import tensors_in
+from ..core import replay as _replay
+from ..core.errors import UsageError
+from ..core.modnames import module_names
+from ..core.structs import tensors_in
 from . import stats as _stats
 from .store import SCALAR_FLUSH_S, Writer, check_run_name, run_path
 

@@ -77,7 +77,7 @@ def run_path(run_dir: str, name: str) -> str:
 def check_run_name(name: str) -> str:
     if not isinstance(name, str) or not name or name.strip() != name \
             or any(c in name for c in "/\\\0") or name in (".", ".."):
-        from ..errors import UsageError
+        from ..core.errors import UsageError
         raise UsageError(f"run name must be a non-empty file name without '/', run={name!r}")
     return name
 

@@ -19,10 +19,10 @@ from bokeh.models import Div as _Div
 from bokeh.palettes import Viridis256
 from bokeh.plotting import figure
 
-from .. import slicing as _slicing
+from ..summaries import slicing as _slicing
 from . import data as _data
 from . import state as _state
-from .server import on_doc_thread
+from .doc_thread import on_doc_thread
 from .timeline_panel import TimelinePanel
 
 NAN_COLOR, POSINF_COLOR, NEGINF_COLOR = "#ff00ff", "#ff2828", "#00e6ff"

@@ -10,7 +10,8 @@ import sys
 import threading
 from typing import Optional
 
-from .. import slicing as _slicing
+from ..summaries import slicing as _slicing
+from ..core import session as _session
 
 MAX_SIDE = 400          # heatmap cells per side: about the plot's size in pixels
 GRAPH_ROWS_MAX = 1500   # module rows drawn in the graph (the rest is cut, with a note)
@@ -61,7 +62,7 @@ def tensor_view(value, name: str, dims=None, index=None, max_side: int = MAX_SID
 
 def header(value) -> str:
     """The one line without the stats pass (shape, dtype, device)."""
-    from ..dap import variables as _v
+    from ..summaries import budgeted as _v
     try:
         return str(_v.header(value)).replace(_v.PENDING_NOTE, "").strip()
     except Exception:  # noqa: BLE001
@@ -70,7 +71,7 @@ def header(value) -> str:
 
 def stats_html(value, title: str) -> str:
     """The stats table of VALUE (its full TensorSummary), as HTML."""
-    from ..summary import summary
+    from ..summaries import summary
 
     d = summary(value).to_dict()
     rows = []
@@ -122,14 +123,9 @@ def current_graph():
     graph = _graph.last_graph()
     if graph is None:
         return None
-    try:
-        from .. import session as _session
-        violation = _session._current.last_violation if _session._current else None  # noqa: SLF001
-        if violation is not None and violation.module:
-            graph.mark(violation.module, violation.kind if violation.kind != "assertion"
-                       else violation.assertion)
-    except Exception:  # noqa: BLE001
-        pass
+    session = _session.current_if_any()   # a look must not create a session
+    if session is not None:
+        graph.mark_violation(session.last_violation)
     return graph
 
 

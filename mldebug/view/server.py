@@ -14,7 +14,7 @@ Safety
       index, an entry of the list) and two button actions (hub.ACTIONS).
 
 Under debugpy the server thread and the worker are marked as pydevd marks its own
-daemon threads (`dap.hide_from_debugger`): never traced, never suspended, so the page
+daemon threads (`core.threads.hide_from_debugger`): never traced, never suspended, so the page
 keeps answering while VS Code holds the program.
 """
 from __future__ import annotations
@@ -31,19 +31,12 @@ import sys
 import threading
 from typing import Callable, Optional
 
+from ..core.threads import hide_from_debugger
+
 HOST = "127.0.0.1"
 DEFAULT_PORT = 5006
 START_TIMEOUT_S = 60
 
-
-
-def on_doc_thread(doc, fn, *args) -> None:
-    """Run FN(*ARGS) on DOC's IOLoop: the only way other threads touch a Bokeh document.
-    A page that went away in the meantime is not an error."""
-    try:
-        doc.add_next_tick_callback(lambda: fn(*args))
-    except Exception:  # noqa: BLE001 - the page went away
-        pass
 
 class ViewError(RuntimeError):
     """The browser view could not start (the message says why)."""
@@ -97,7 +90,6 @@ class ViewServer:
         self._error: Optional[BaseException] = None
         self._ready = threading.Event()
         self._jobs: "queue.Queue[Optional[Callable]]" = queue.Queue()
-        from ..dap import hide_from_debugger
 
         self.thread = hide_from_debugger(threading.Thread(
             target=self._serve, args=(sockets,), name="mldebug-view", daemon=True))

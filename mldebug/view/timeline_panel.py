@@ -26,7 +26,7 @@ from bokeh.palettes import Viridis256
 from bokeh.plotting import figure
 
 from . import data as _data
-from .server import on_doc_thread
+from .doc_thread import on_doc_thread
 
 COLORS = ("#1c7ed6", "#e8590c")          # run A, run B
 NO_RUN = ""                              # "Compare with: (none)"

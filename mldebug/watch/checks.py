@@ -25,7 +25,7 @@ _ALLOWED: list = []        # patterns of mldebug.allow(), shared by every watch
 def _counts(t) -> tuple[int, int, int]:
     """Exact (nan, posinf, neginf) of a floating tensor."""
     try:
-        from ..summary import nonfinite_counts
+        from ..summaries import nonfinite_counts
     except ImportError:  # summary not there yet
         nonfinite_counts = None
     if nonfinite_counts is not None:
@@ -40,7 +40,7 @@ def _counts(t) -> tuple[int, int, int]:
 
 def _summary(x):
     try:
-        from ..summary import summary
+        from ..summaries import summary
         return summary(x)
     except Exception:
         try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import weakref
 
-from ..modnames import module_names
+from ..core.modnames import module_names
 
 
 class ModuleNames:

@@ -27,9 +27,9 @@ import torch.optim.optimizer as _optim_hooks
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import autograd_patch as _autograd_patch
-from .. import frames as _frames
-from ..errors import NonFiniteError, UsageError
+from ..core import autograd_patch as _autograd_patch
+from ..core import frames as _frames
+from ..core.errors import NonFiniteError, UsageError
 from . import safe as _safe
 from . import tiered as _tiered
 from . import tiers as _tiers
@@ -201,7 +201,7 @@ class Watch(TieredChecks):
 
     def __init__(self, on_violation=None, break_on=("nan", "inf"), allow=(), action="break",
                  exact=False):
-        from ..session import parse_break_on
+        from ..core.break_on import parse_break_on
         if action not in ("break", "raise"):
             raise UsageError(f"action must be 'break' or 'raise', action={action!r}")
         if not isinstance(exact, bool):
@@ -352,7 +352,7 @@ class Watch(TieredChecks):
 
     def set_break_on(self, break_on) -> None:
         """Change what stops the program while the watch runs (`breakon` at the prompt)."""
-        from ..session import parse_break_on
+        from ..core.break_on import parse_break_on
         self.break_on = parse_break_on(break_on)
 
     def suspended(self):
@@ -786,7 +786,7 @@ class Watch(TieredChecks):
             return None
         if stage == "optimizer":
             self._opt_stop_step = self._steps
-        from ..session import Violation
+        from ..core.records import Violation
         return Violation(
             kind=kind, op=info.name, torch_op=torch_op, module=module,
             module_type=module_type, stage=stage, frame=frame, file=file, line=line,
@@ -810,7 +810,7 @@ class Watch(TieredChecks):
             return
         callback = self.on_violation
         if callback is None:
-            from ..session import current
+            from ..core.session import current
             callback = current().on_violation
         self._suspend += 1
         self._update_skip()

@@ -10,9 +10,9 @@ import weakref
 import torch
 from torch import Tensor
 
-from .. import frames as _frames
-from .. import replay as _replay
-from ..errors import NonFiniteError
+from ..core import frames as _frames
+from ..core import replay as _replay
+from ..core.errors import NonFiniteError
 from . import safe as _safe
 from . import tiers as _tiers
 from .checks import (_ALLOWED, _F32, _SUM_DTYPE, _caller, _checkable, _counts, _floating,
@@ -91,7 +91,7 @@ class TieredChecks:
                     "step() is not pinned (`--watch exact` pins it)")
         frame = _frames.user_frame(_caller(3))
         file, line, function = _frames.location(frame)
-        from ..session import Violation
+        from ..core.records import Violation
         with self._own_ops():
             inputs = [("gradient", _summary(grad) if isinstance(grad, Tensor) else repr(grad))]
             output = _summary(x)
@@ -562,7 +562,7 @@ class TieredChecks:
             return            # a loss scaler's overflow: GradScaler skips this step
         if stage == "backward":
             reason = self._amp.with_note(reason)
-        from ..session import Violation
+        from ..core.records import Violation
         frame = _frames.user_frame(_caller(1))
         file, line, function = _frames.location(frame)
         name = ""

@@ -37,7 +37,7 @@ on for the whole step and stay under the speed targets. Instead:
 What the replay cannot do (said in the report when it happens): reproduce a call whose
 result depends on state it changes itself (other than buffers), or on an input it
 modifies in place. Module hooks and forward code run a second time during a replay; the
-rest of mldebug (graph capture, assertions, recording) ignores it (`mldebug.replay`).
+rest of mldebug (graph capture, assertions, recording) ignores it (`mldebug.core.replay`).
 """
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from .. import replay as _replay
-from ..structs import tensors_in
+from ..core import replay as _replay
+from ..core.structs import tensors_in
 from . import safe as _safe
 
 _F32 = torch.float32

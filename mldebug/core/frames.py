@@ -12,7 +12,8 @@ import sys
 import sysconfig
 from types import FrameType
 
-_MLDEBUG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# the mldebug package (this file is mldebug/core/frames.py)
+_MLDEBUG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _library_dirs() -> tuple[str, ...]:

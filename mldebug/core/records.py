@@ -1,25 +1,23 @@
-"""The record of a pause (`Stop`), the watch's finding (`Violation`), and the session
-that turns findings into stops for whichever front end is active.
+"""The records of mldebug: what an engine found (`Violation`) and the pause it turns
+into (`Stop`), the one record every front end reads: the terminal prints it, the JSON
+report writes it, the browser view and VS Code show it, `why` explains it.
 
-Every front end (terminal, JSON report, browser view, VS Code) shows the same `Stop`.
+The bottom layer: imports nothing of mldebug but `core.frames`.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
-import sys
-import threading
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from . import frames as _frames
 
 REASONS = ("nan", "inf", "assertion", "exception", "breakpoint", "interrupt")
 STAGES = ("forward", "backward", "optimizer", "other")
-BREAK_ON_CHOICES = ("nan", "inf", "inf-all", "assert", "exception", "none")
-DEFAULT_BREAK_ON = frozenset({"nan", "inf", "assert", "exception"})
 
 
 @dataclass
@@ -129,31 +127,31 @@ class Stop:
     exception: str = ""            # 'ValueError: ...' for exception stops
     pause_file: str = ""           # where the debugger paused, when it differs from file:line
     pause_line: int = 0
+    # the engine's finding behind a NaN/Inf/assertion stop (`why`, the graph's marking,
+    # the panels read it from here); not part of the report
+    violation: Optional[Violation] = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {f.name: _plain(getattr(self, f.name)) for f in _REPORTED}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), default=str)
 
     @classmethod
     def from_violation(cls, v: Violation) -> "Stop":
+        """The stop for an engine's finding: the fields both records have are copied
+        by name (one list, the dataclass's), the rest derived here."""
         reason = "assertion" if v.kind == "assertion" else v.kind
         pause_file, pause_line, _ = _frames.location(v.frame)
-        output = None
-        if v.output is not None and hasattr(v.output, "to_dict"):
-            output = v.output.to_dict()
         same_place = (pause_file, pause_line) == (v.file, v.line)
+        shared = {name: getattr(v, name) for name in _SHARED_WITH_VIOLATION}
         return cls(
-            reason=reason, message=v.headline(), file=v.file, line=v.line,
-            function=v.function, stage=v.stage, op=v.op, module=v.module,
-            assertion=v.assertion, step=v.step, torch_op=v.torch_op,
-            module_type=v.module_type, count=v.count,
+            reason=reason, message=v.headline(), count=v.count,
             created=None if reason == "assertion" else v.created,
-            culprit=v.culprit, param=v.param, node=v.node, output=output,
+            output=v.output.to_dict() if hasattr(v.output, "to_dict") else None,
             pause_file="" if same_place else pause_file,
             pause_line=0 if same_place else pause_line,
-        )
+            violation=v, **shared)
 
     @classmethod
     def from_exception(cls, exc: BaseException, frame: Optional[FrameType]) -> "Stop":
@@ -185,21 +183,18 @@ class Stop:
                    file=file, line=line, function=function, step=step)
 
 
-def parse_break_on(text: str | list | tuple | set) -> frozenset:
-    """`'nan,inf'` → {'nan', 'inf'}; 'none' → empty. Raises ValueError naming a bad word."""
-    words = text.split(",") if isinstance(text, str) else list(text)
-    words = [w.strip().lower() for w in words if w.strip()]
-    bad = [w for w in words if w not in BREAK_ON_CHOICES]
-    if bad:
-        raise ValueError(f"unknown break-on kind {bad[0]!r}; choose from {', '.join(BREAK_ON_CHOICES)}")
-    if "none" in words:
-        if len(words) > 1:
-            raise ValueError("'none' cannot be combined with other break-on kinds")
-        return frozenset()
-    result = set(words)
-    if "inf-all" in result:
-        result.add("inf")
-    return frozenset(result)
+def _plain(value):
+    # the report's dicts are copies: a listener that edits one changes no other
+    return copy.deepcopy(value) if isinstance(value, (dict, list)) else value
+
+
+# the keys of `Stop.to_dict()`: a contract of the --report JSON lines (add, don't rename)
+_REPORTED = tuple(f for f in dataclasses.fields(Stop) if f.name != "violation")
+# fields a Stop takes from its Violation as they are
+_SHARED_WITH_VIOLATION = tuple(
+    f.name for f in dataclasses.fields(Stop)
+    if f.name in {g.name for g in dataclasses.fields(Violation)}
+    and f.name not in ("output", "created"))   # these two are derived in from_violation
 
 
 class BatchStop(BaseException):
@@ -207,93 +202,3 @@ class BatchStop(BaseException):
 
     A BaseException so that a user's `except Exception` does not swallow it.
     """
-
-
-class Session:
-    """State shared by the engine and the front ends: what to break on, where to report,
-    which front end pauses, and the stops so far."""
-
-    def __init__(self, break_on=DEFAULT_BREAK_ON, batch: bool = False,
-                 report_path: str | None = None, out=None):
-        self.break_on = frozenset(break_on)
-        self.batch = batch
-        self.report_path = os.path.abspath(report_path) if report_path else None
-        self.out = out or sys.stderr
-        self.stops: list[Stop] = []
-        self.last_violation: Optional[Violation] = None
-        self.batch_stopped = False
-        self.input_ended = False   # the prompt read end of input from a pipe (exit 3)
-        self.step: Optional[int] = None
-        self.allow: tuple = ()  # the watch's exemptions (--allow), kept for `watch on`
-        self.exact_watch = False  # --watch exact: the per-op check everywhere
-        # pause(stop, frame) -> None, blocks until the user continues; set by a front end
-        self.pauser: Optional[Callable[[Stop, Optional[FrameType]], None]] = None
-        self._lock = threading.RLock()
-
-    # -- recording -------------------------------------------------------------------
-    def record(self, stop: Stop) -> None:
-        with self._lock:
-            self.stops.append(stop)
-            if self.report_path:
-                try:
-                    with open(self.report_path, "a", encoding="utf-8") as fh:
-                        fh.write(stop.to_json() + "\n")
-                except OSError as exc:  # never take the user's program down for a report
-                    print(f"mldebug: warning: cannot write the report {self.report_path}: "
-                          f"{exc.strerror or exc}", file=self.out, flush=True)
-
-    def wants(self, reason: str) -> bool:
-        key = {"assertion": "assert"}.get(reason, reason)
-        return key in self.break_on
-
-    # -- stopping --------------------------------------------------------------------
-    def stop(self, stop: Stop, frame: Optional[FrameType]) -> None:
-        """Record a stop and pause the active front end (or end the run in batch mode)."""
-        self.record(stop)
-        if self.batch:
-            print(f"mldebug: stop: {stop.message}", file=self.out, flush=True)
-            if stop.reason != "breakpoint":
-                self.batch_stopped = True
-                raise BatchStop(stop.message)
-            return
-        if self.pauser is None:
-            self._install_default_pauser()
-        self.pauser(stop, frame)
-
-    def _install_default_pauser(self) -> None:
-        """No front end was set up (`with mldebug.watch():` in a plain script or a plain
-        debugpy session): pause in the client debugpy serves, else at mldebug's prompt."""
-        from . import dap
-
-        if dap.debugger_active():
-            from .dap.pauser import DapPauser
-
-            self.pauser = DapPauser(self)
-        else:
-            from .debugger import get_debugger
-
-            get_debugger(self)  # sets self.pauser
-
-    def on_violation(self, violation: Violation) -> None:
-        """Called by the watch (inside the op) when it found a violation worth a stop."""
-        self.last_violation = violation
-        if violation.step is None:
-            violation.step = self.step
-        self.stop(Stop.from_violation(violation), violation.frame)
-
-
-_current: Optional[Session] = None
-
-
-def current() -> Session:
-    """The process's session, created with defaults when none was configured."""
-    global _current
-    if _current is None:
-        _current = Session()
-    return _current
-
-
-def install(session: Session) -> Session:
-    global _current
-    _current = session
-    return session

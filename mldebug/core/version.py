@@ -1,0 +1,2 @@
+"""mldebug's version (pyproject.toml carries the same number)."""
+__version__ = "0.1.0"
