@@ -405,9 +405,10 @@ def run(args) -> int:
             return _ended_by_interrupt(exc)
         return _post_mortem(exc, session, debugger)
     finally:
-        # nothing of the debugger may trace the interpreter's shutdown (a breakpoint
-        # left set would run bdb's skip check on torn-down modules)
-        sys.settrace(None)
+        # nothing of our debugger may trace the interpreter's shutdown (a breakpoint left
+        # set would run bdb's skip check on torn-down modules); debugpy's trace stays
+        if debugger is not None:
+            sys.settrace(None)
         if interrupts is not None:
             interrupts.close()
         _close_assertions(always_on)

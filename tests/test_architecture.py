@@ -25,11 +25,12 @@ LAYERS = [
     ("mldebug.view", 4),          # the front ends' pieces
     ("mldebug.dap", 4),
     ("mldebug.interrupt", 4),
-    ("mldebug.debugger", 5),      # the prompt
-    ("mldebug.frontends", 6),     # which front end pauses a session none was set up for
-    ("mldebug.cli", 7),
-    ("mldebug.__main__", 8),
-    ("mldebug", 8),               # the package face
+    ("mldebug.prompt", 5),        # the prompt's ML commands and its IPython terminal
+    ("mldebug.debugger", 6),      # the prompt
+    ("mldebug.frontends", 7),     # which front end pauses a session none was set up for
+    ("mldebug.cli", 8),
+    ("mldebug.__main__", 9),
+    ("mldebug", 9),               # the package face
 ]
 MAX_LINES = 650   # "modules a newcomer can hold" (~600, with room for a docstring)
 

@@ -498,3 +498,15 @@ def test_on_a_terminal_the_prompt_reads_typed_commands_while_the_view_runs(tmp_p
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+@needs_chromium
+def test_a_stop_no_prompt_pauses_for_still_reaches_the_banner(page, view_url):
+    """The view is a listener of the session's stops: a --batch or DAP stop, which the
+    page's prompt never pauses for, still shows in the banner."""
+    from mldebug.core import session as _session
+    from mldebug.core.records import Stop
+    open_page(page, view_url)
+    _session.current().record(Stop(reason="nan", op="aten.div.Tensor", module="fc",
+                                   message="3 NaN from aten.div.Tensor in module fc (Linear)"))
+    wait_text(page, r"Stop: 3 NaN from aten\.div\.Tensor in module fc")

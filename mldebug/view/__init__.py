@@ -21,13 +21,13 @@ security), `app` (the page), `timeline_panel` (its Timeline tab: recorded runs),
 """
 from __future__ import annotations
 
-import inspect as _inspect_module
 import linecache
 import sys as _sys
 import threading
-import types as _types
 from typing import Optional
 
+from ..core import session as _session
+from ..core.callable_module import make_callable
 from . import state as _state
 
 __all__ = ["view", "start", "inspect", "running", "close", "url"]
@@ -55,7 +55,13 @@ def _start(port=None, out=None):
         if _server is not None:
             return _server.url, False
         _server = ViewServer(parse_port(port), out=out)
+        # every stop of the session reaches the banner, also those no prompt pauses for
+        _session.current().add_listener(_show_stop)
         return _server.url, True
+
+
+def _show_stop(stop) -> None:
+    _state.hub().stop_recorded(stop.to_dict())
 
 
 def start(port=None, runs=None) -> str:
@@ -112,6 +118,9 @@ def close() -> None:
     with _lock:
         server, _server = _server, None
     if server is not None:
+        session = _session.current_if_any()
+        if session is not None:
+            session.remove_listener(_show_stop)
         server.close()
 
 
@@ -171,15 +180,5 @@ def _call_argument(frame) -> str:
         return ""
 
 
-class _CallableModule(_types.ModuleType):
-    """`mldebug.view` is both this package and the function that starts the view (the
-    same trick as `mldebug.watch`): importing the package binds `mldebug.view` to the
-    module, so the module itself must be callable, in any import order."""
-
-    def __call__(self, port=None, runs=None) -> str:
-        return start(port, runs)
-
-
-_sys.modules[__name__].__class__ = _CallableModule
-__signature__ = _inspect_module.signature(start)
-view = _sys.modules[__name__]
+# `mldebug.view(port)` starts the view: the package is also that function
+view = make_callable(__name__, start)

@@ -121,6 +121,13 @@ class Hub:
             self._resume.clear()
         self._changed("mode")
 
+    def stop_recorded(self, stop: dict) -> None:
+        """A stop the session recorded (any front end: the prompt, --batch, DAP): the
+        banner shows it, whether or not this page's prompt pauses for it."""
+        with self._lock:
+            self.stop = stop
+        self._changed("mode")
+
     def running(self) -> None:
         with self._lock:
             self._drain()

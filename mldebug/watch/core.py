@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core import autograd_patch as _autograd_patch
 from ..core import frames as _frames
+from ..core import quiet as _quiet
 from ..core.errors import NonFiniteError, UsageError
 from . import safe as _safe
 from . import tiered as _tiered
@@ -270,6 +271,7 @@ class Watch(TieredChecks):
             raise
         self._started = True
         _ACTIVE = self
+        _quiet.watch_started(self)     # mldebug's own work can suspend it (core/quiet.py)
         self._update_skip()
         return self
 
@@ -305,6 +307,7 @@ class Watch(TieredChecks):
             self._opt_depth = 0
             if _ACTIVE is self:
                 _ACTIVE = None
+            _quiet.watch_closed(self)
 
     def flush(self) -> None:
         """Judge now what is still pending: the device window, and stops found on
