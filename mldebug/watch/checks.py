@@ -1,5 +1,6 @@
-"""The watch's primitives, shared by the per-op check (core.py) and the tiers
-(tiered.py): which tensors are checked, in what dtype they are summed, exact counts."""
+"""The watch's primitives, shared by the per-op check (dispatch.py, verdict.py,
+device_window.py) and the tiers (module_tier.py, backward_tier.py): which tensors are
+checked, in what dtype they are summed, exact counts."""
 from __future__ import annotations
 
 import math
@@ -20,6 +21,7 @@ _SUM_DTYPE = {d: (_F32 if d.itemsize < 4 else None) for d in vars(torch).values(
               if isinstance(d, torch.dtype) and d.is_floating_point}
 _getframe = sys._getframe
 _ALLOWED: list = []        # patterns of mldebug.allow(), shared by every watch
+METADATA_KEY = "mldebug"   # grad_fn.metadata key holding the forward op's provenance
 
 
 def _counts(t) -> tuple[int, int, int]:
