@@ -86,7 +86,8 @@ import types as _types
 import inspect as _inspect
 
 from . import core as _core
-from .core import WINDOW_MAX, Allowed, Watch, active_watch, allow  # noqa: F401
+from .core import Allowed, Watch, active_watch, allow  # noqa: F401
+from .device_window import WINDOW_MAX  # noqa: F401
 
 __all__ = ["watch", "allow", "Watch", "Allowed", "active_watch", "WINDOW_MAX"]
 

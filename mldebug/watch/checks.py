@@ -1,5 +1,6 @@
-"""The watch's primitives, shared by the per-op check (core.py) and the tiers
-(tiered.py): which tensors are checked, in what dtype they are summed, exact counts."""
+"""The watch's primitives, shared by the per-op check (dispatch.py, verdict.py,
+device_window.py) and the tiers (module_tier.py, backward_tier.py): which tensors are
+checked, in what dtype they are summed, exact counts."""
 from __future__ import annotations
 
 import math
@@ -7,6 +8,8 @@ import sys
 
 import torch
 from torch import Tensor
+
+from ..summaries import nonfinite_counts, summary
 
 _F32 = torch.float32
 _LOW = frozenset(d for d in (torch.float16, torch.bfloat16,
@@ -20,19 +23,15 @@ _SUM_DTYPE = {d: (_F32 if d.itemsize < 4 else None) for d in vars(torch).values(
               if isinstance(d, torch.dtype) and d.is_floating_point}
 _getframe = sys._getframe
 _ALLOWED: list = []        # patterns of mldebug.allow(), shared by every watch
+METADATA_KEY = "mldebug"   # grad_fn.metadata key holding the forward op's provenance
 
 
 def _counts(t) -> tuple[int, int, int]:
     """Exact (nan, posinf, neginf) of a floating tensor."""
     try:
-        from ..summaries import nonfinite_counts
-    except ImportError:  # summary not there yet
-        nonfinite_counts = None
-    if nonfinite_counts is not None:
-        try:
-            return tuple(int(c) for c in nonfinite_counts(t))
-        except Exception:
-            pass
+        return tuple(int(c) for c in nonfinite_counts(t))
+    except Exception:
+        pass
     with torch.no_grad():
         return (int(torch.isnan(t).sum()), int(torch.isposinf(t).sum()),
                 int(torch.isneginf(t).sum()))
@@ -40,7 +39,6 @@ def _counts(t) -> tuple[int, int, int]:
 
 def _summary(x):
     try:
-        from ..summaries import summary
         return summary(x)
     except Exception:
         try:

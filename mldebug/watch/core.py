@@ -1,69 +1,61 @@
-"""The watch itself: a `TorchDispatchMode` that checks every floating output, plus the
-global module and optimizer hooks that say where an op runs.
+"""The watch itself: the `Watch` lifecycle (start, close, suspend), the global module and
+optimizer hooks that say where an op runs, and the provenance that backward reports.
 
-Hot path (per op, see `_Mode.__torch_dispatch__`): one dict lookup for the cached
-`OpInfo`, the op, then for each floating CPU output one reduction (`sum`) and one
-`.item()`; `math.isfinite` on the float. Ops that cannot make a NaN/Inf (`OpInfo.safe`,
-see ops.py) skip the reduction while nothing non-finite has been judged. NaN and Inf
-propagate through a sum, so a finite sum means a finite tensor; a non-finite sum (or a
-sum that merely overflowed) goes to the slow path, which counts exactly and applies the
-stop rule. Outputs on other devices
-(CUDA) are summed on the device without a sync and read once per window.
+What a `Watch` does is spread over mixins, one per concern (each module says more):
+  dispatch.py       the per-op check: `_Mode`, the TorchDispatchMode on every aten op
+  verdict.py        the stop rule: an op's non-finite output -> `Violation` or not; reporting
+  device_window.py  outputs on CUDA: summed on the device, read once per window
+  module_tier.py    inside module calls: output sentinels, replay of a flagged call
+  backward_tier.py  around `loss.backward()`: loss region, gradient sentinels, replay
+The optimizer step's tier is here, with its hooks (`_optimizer_pre` / `_check_step`).
 
-By default this per-op check runs only outside module calls (data handling, the loss):
+By default the per-op check runs only outside module calls (data handling, the loss):
 inside them, in backward and in the optimizer step the mode is off the stack and cheaper
-sentinels check instead, re-running a flagged call under the mode (tiered.py, tiers.py).
+sentinels check instead, re-running a flagged call under the mode (tiers.py).
 """
 from __future__ import annotations
 
 import os
 import threading
 import warnings
-import weakref
 
 import torch
 import torch.nn.modules.module as _module_hooks
 import torch.optim.optimizer as _optim_hooks
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core import autograd_patch as _autograd_patch
 from ..core import frames as _frames
 from ..core import quiet as _quiet
-from ..core.errors import NonFiniteError, UsageError
+from ..core.break_on import parse_break_on
+from ..core.errors import UsageError
+from . import backward_tier as _backward_tier
+from . import dispatch as _dispatch
+from . import module_tier as _module_tier
 from . import safe as _safe
-from . import tiered as _tiered
 from . import tiers as _tiers
-from .amp import SCALER_OPS, LossScaling
-from .checks import (_ALLOWED, _F32, _LOW, _SUM_DTYPE, _caller, _checkable, _counts,
-                     _floating, _getframe, _grad_enabled, _isfinite, _summary)
+from .amp import LossScaling
+from .backward_tier import BackwardTier
+from .checks import _ALLOWED, METADATA_KEY, _caller, _counts
 from .context import ModuleNames
-from .ops import OpInfo, argument_name, matches
-from .tiered import TieredChecks
+from .device_window import DeviceWindow
+from .dispatch import _OP_INFOS, PerOpCheck, _Mode, _skip_dynamo
+from .module_tier import ModuleTier
 from .tiers import TierState
+from .verdict import Verdict
 
-_current_node = torch._C._current_autograd_node
 _get_ident = threading.get_ident
-_USER = _frames._is_user_cache     # file name -> is user code (filled by is_user_file)
-_USER_CODE: dict = {}              # code object -> is user code (the hot path's cache)
-_is_user_file = _frames.is_user_file
 
-WINDOW_MAX = 1024          # device window: read the flags at least every this many ops
-METADATA_KEY = "mldebug"   # grad_fn.metadata key holding the forward op's provenance
-
-_OP_INFOS: dict = {}       # id(overload) -> OpInfo, for every watch (info.func keeps
-                           # the overload alive, so its id stays unique)
 _ACTIVE = None             # the running Watch
 _DYNAMO_MARKED = False     # code objects marked for dynamo to skip
 _IN_CHILD = False          # set in forked children (DataLoader workers): do nothing
-_HOST_READS = True         # CPU outputs read at once; False: as a device's (tests)
 
 
 def simulate_device(on: bool) -> None:
     """Tests: treat CPU tensors as a device's (sums kept, read once per window, replays
     and dry runs read op by op), so that a machine without a GPU runs the device paths."""
-    global _HOST_READS
-    _HOST_READS = _tiered._HOST_READS = _tiers._HOST_READS = not on
+    _dispatch._HOST_READS = _module_tier._HOST_READS = _backward_tier._HOST_READS = \
+        _tiers._HOST_READS = not on
 
 
 _Sequential = torch.nn.Sequential
@@ -87,112 +79,12 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _skip_dynamo() -> None:
-    """Tell dynamo never to trace the watch's code (what torch._dynamo.disable does for
-    a mode's __torch_dispatch__, without the per-call wrapper)."""
-    try:
-        from torch._dynamo.eval_frame import set_code_exec_strategy
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
-    except Exception:
-        return
-    strategy = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
-    for obj in list(vars(_Mode).values()) + list(vars(Watch).values()):
-        code = getattr(getattr(obj, "__func__", obj), "__code__", None)
-        if code is not None:
-            try:
-                set_code_exec_strategy(code, strategy)
-            except Exception:
-                return
-
-
 def active_watch():
     """The running Watch, or None."""
     return _ACTIVE
 
 
-class _Mode(TorchDispatchMode):
-    """The per-op check. Kept lean: this runs for every aten op of the program."""
-
-    def __init__(self, watch):
-        super().__init__()
-        self.w = watch
-        self.infos = watch._infos
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # torch would wrap __torch_dispatch__ in torch._dynamo.disable: two Python
-        # layers per op (~2 us). `_skip_dynamo()` marks the code objects instead.
-        return False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        info = self.infos.get(id(func))   # OpOverload.__hash__ is Python: key by id
-        if info is None:
-            info = self.w._info(func)
-        w = self.w
-        if w._skip:
-            op = info.op
-            return op(*args, **kwargs) if kwargs else op(*args)
-        if w._open:
-            w._mark_used(args)
-        if info.skip:
-            op = info.op
-            return op(*args, **kwargs) if kwargs else op(*args)
-        if w._pending:
-            w._attach_provenance()
-        if w._stash:
-            w._deliver_stash()
-        op = info.op
-        safe = info.safe
-        if safe and (w._taint or w._win or (safe == 2 and not info.guard(args, kwargs))):
-            safe = 0
-        out = op(*args, **kwargs) if kwargs else op(*args)
-        if safe and (not info.promote or not isinstance(out, Tensor)
-                     or out.dtype not in _LOW):
-            # cannot make a NaN/Inf from finite inputs, and nothing non-finite was
-            # judged yet: no check (see ops.SAFE_ALWAYS)
-            if info.prov and _grad_enabled():
-                w._pending.append((out, w._provenance(info)))
-            return out
-        if isinstance(out, Tensor):
-            sum_dtype = _SUM_DTYPE.get(out.dtype, 0)
-            if sum_dtype == 0:
-                return out                # integer, bool, complex: not checked
-            if not _checkable(out):
-                return out                # fake/meta/nested/mkldnn/subclass: no data to read
-            if out.is_cpu and _HOST_READS:
-                s = out.sum() if sum_dtype is None else out.sum(dtype=sum_dtype)
-                if not _isfinite(s.item()):
-                    w._slow(func, info, args, kwargs, (out,), None)
-            else:
-                w._window_add(func, info, args, kwargs, (out,))
-            if _grad_enabled():
-                # provenance for backward: the user line of this forward op
-                try:
-                    f = _getframe(1)
-                except ValueError:   # autograd device thread: no Python caller
-                    f = None
-                while f is not None:
-                    code = f.f_code
-                    user = _USER_CODE.get(code)
-                    if user is None:
-                        user = _USER_CODE[code] = _is_user_file(code.co_filename)
-                    if user:
-                        w._pending.append((out, (w._top, code.co_filename, f.f_lineno,
-                                                 code.co_name, info.torch_op)))
-                        return out
-                    f = f.f_back
-                w._pending.append((out, (w._top, "", 0, "", info.torch_op)))
-        elif out is None:
-            if info.mutated:
-                w._check_many(func, info, args, kwargs, w._mutated(info, args, kwargs))
-        elif type(out) is tuple or type(out) is list:
-            w._check_many(func, info, args, kwargs, out)
-            if _grad_enabled():
-                w._pending.append((out, w._provenance(info)))
-        return out
-
-
-class Watch(TieredChecks):
+class Watch(PerOpCheck, Verdict, DeviceWindow, ModuleTier, BackwardTier):
     """A running numerics watch. Use as a context manager or call `close()`.
 
     `enabled` is True while it checks ops (started, not suspended, not in a worker
@@ -202,7 +94,6 @@ class Watch(TieredChecks):
 
     def __init__(self, on_violation=None, break_on=("nan", "inf"), allow=(), action="break",
                  exact=False):
-        from ..core.break_on import parse_break_on
         if action not in ("break", "raise"):
             raise UsageError(f"action must be 'break' or 'raise', action={action!r}")
         if not isinstance(exact, bool):
@@ -252,7 +143,9 @@ class Watch(TieredChecks):
         self._pid = os.getpid()
         global _DYNAMO_MARKED
         if not _DYNAMO_MARKED:
-            _skip_dynamo()
+            # (the classes that held Watch's methods before they were split up; the
+            # tiers' were not marked then either)
+            _skip_dynamo((_Mode, Watch, PerOpCheck, Verdict, DeviceWindow))
             _DYNAMO_MARKED = True
         self._mode = _Mode(self)
         self._mode.__enter__()
@@ -355,22 +248,22 @@ class Watch(TieredChecks):
 
     def set_break_on(self, break_on) -> None:
         """Change what stops the program while the watch runs (`breakon` at the prompt)."""
-        from ..core.break_on import parse_break_on
         self.break_on = parse_break_on(break_on)
 
     def suspended(self):
         """Context manager: no checks inside (the debugger prompt evaluating user code)."""
         return _Suspended(self)
 
+    def _own_ops(self):
+        """mldebug's own ops (counts, summaries) off the exact mode and unwatched."""
+        stack = _tiers.contextlib.ExitStack()
+        stack.enter_context(self.suspended())
+        stack.enter_context(_tiers.mode_off(self._mode))
+        return stack
+
     def _update_skip(self):
         self._skip = (not self._started) or self._suspend > 0 or _IN_CHILD or (
             self._pid is not None and os.getpid() != self._pid)
-
-    def _info(self, func) -> OpInfo:
-        info = OpInfo(func)
-        info.func = func                 # keeps the overload alive: its id stays unique
-        self._infos[id(func)] = info
-        return info
 
     # -- hooks -----------------------------------------------------------------------
     def _module_pre(self, module, args):
@@ -478,6 +371,28 @@ class Watch(TieredChecks):
             self._steps += 1
         return None
 
+    def _check_step(self, optimizer):
+        """After an optimizer step run without the per-op check: one sum per parameter
+        and per state tensor, a single read; a non-finite one is reported by the
+        parameter's name, at the `optimizer.step()` line."""
+        tensors = _tiers.step_tensors(optimizer)
+        if not _tiers.any_nonfinite_sum([x for x, _, _, _ in tensors]):
+            return
+        reported = None
+        bad = []
+        for x, p, what, group in tensors:
+            c = _counts(x)
+            if sum(c) and self._taint_get(x) is None:
+                bad.append((x, p, what, group, c))
+        for x, p, what, group, c in bad:
+            v = self._judge_step(optimizer, x, p, what, group, c)
+            if v is not None and reported is None:
+                reported = v
+        for x, p, what, group, c in bad:
+            self._taint_add(x, c[0] > 0, c[1] + c[2] > 0, reported is not None)
+        if reported is not None:
+            self._report(reported)
+
     # -- provenance for backward -----------------------------------------------------
     def _provenance(self, info):
         """(module record, file, line, function, torch_op) of the op now running."""
@@ -503,486 +418,6 @@ class Watch(TieredChecks):
                         meta = node.metadata
                         if METADATA_KEY not in meta:
                             meta[METADATA_KEY] = prov
-
-    # -- checks ----------------------------------------------------------------------
-    def _mutated(self, info, args, kwargs):
-        tensors = []
-        for key, _ in info.mutated:
-            value = args[key] if isinstance(key, int) and key < len(args) else (
-                kwargs.get(key) if isinstance(key, str) and kwargs else None)
-            if isinstance(value, Tensor):
-                tensors.append(value)
-            elif isinstance(value, (list, tuple)):
-                tensors.append(value)
-        return tensors
-
-    def _check_many(self, func, info, args, kwargs, outs):
-        """Check a tuple/list of outputs (may hold lists: foreach ops)."""
-        cpu = []
-        device = []
-        for item in outs:
-            if isinstance(item, Tensor):
-                items = (item,)
-            elif isinstance(item, (list, tuple)):
-                items = item
-            else:
-                continue
-            for t in items:
-                if isinstance(t, Tensor) and _SUM_DTYPE.get(t.dtype, 0) != 0 \
-                        and _checkable(t):
-                    (cpu if t.is_cpu and _HOST_READS else device).append(t)
-        if device:
-            self._window_add(func, info, args, kwargs, tuple(outs), device)
-        if not cpu:
-            return
-        if len(cpu) > 4:
-            try:
-                total = torch.stack(torch._foreach_norm(cpu, 1, dtype=_F32)).sum()
-                if _isfinite(total.item()):
-                    return
-            except Exception:
-                pass
-        for t in cpu:
-            sum_dtype = _SUM_DTYPE[t.dtype]
-            s = t.sum() if sum_dtype is None else t.sum(dtype=sum_dtype)
-            if not _isfinite(s.item()):
-                self._slow(func, info, args, kwargs, outs, None)
-                return
-
-    def _stage(self, node):
-        if node is not None:
-            return "backward"
-        return "optimizer" if self._opt_depth else "forward"
-
-    def _slow(self, func, info, args, kwargs, outs, entry, note="", freed=None, dtype=None):
-        """An output's check failed: count exactly, apply the rule, report a stop.
-
-        `entry` is a device-window entry (stage, node name, provenance, module record,
-        location) when the op ran earlier; None when it is running now. `freed`: an
-        input is gone, and what it is taken to have held (has NaN, has Inf, descends
-        from a stop). `dtype`: that of the output, when it is gone (judged by its sum).
-        """
-        if entry is None:
-            node = _current_node()
-            stage = self._stage(node)
-            node_name = node.name() if node is not None else ""
-            node_prov = node.metadata.get(METADATA_KEY) if node is not None else None
-            record = self._top
-            frame = _frames.user_frame(_caller(1))
-            here = None
-        else:
-            stage, node_name, node_prov, record, here = entry
-            frame = _frames.user_frame(_caller(1)) if _get_ident() == self._owner else None
-        bad = []
-        for index, item in enumerate(self._flatten_outputs(outs)):
-            t, list_index = item
-            if not _floating(t):
-                continue
-            counts = _counts(t)
-            if sum(counts):
-                bad.append((t, list_index, counts))
-        reported = None
-        for t, list_index, counts in bad:
-            v = self._judge(info, args, kwargs, t, list_index, counts, stage, node_name,
-                            node_prov, record, frame, here, freed, dtype)
-            if v is not None and note:
-                v.text = f"{v.text}; {note}" if v.text else note
-            if v is not None and reported is None:
-                reported = v
-        if reported is not None:
-            self._report(reported)
-
-    @staticmethod
-    def _flatten_outputs(outs):
-        """[(tensor, index within its list or None)]"""
-        flat = []
-        for item in outs:
-            if isinstance(item, Tensor):
-                flat.append((item, None))
-            elif isinstance(item, (list, tuple)):
-                flat.extend((t, i) for i, t in enumerate(item) if isinstance(t, Tensor))
-        return flat
-
-    def _inputs(self, info, args, kwargs, list_index):
-        """[(label, value, key)] of the op's arguments; for foreach ops only element
-        `list_index` of each list argument."""
-        items = []
-
-        def one(label_of, key, value):
-            if isinstance(value, (list, tuple)) and value and any(
-                    isinstance(x, Tensor) for x in value):
-                if list_index is not None and list_index < len(value):
-                    items.append((label_of(key, list_index), value[list_index], key))
-                else:
-                    for i, x in enumerate(value):
-                        items.append((label_of(key, i), x, key))
-            elif isinstance(value, (Tensor, float, int)) and not isinstance(value, bool):
-                items.append((label_of(key, None), value, key))
-
-        for pos, value in enumerate(args):
-            one(lambda k, i: argument_name(info, k, i), pos, value)
-        for name, value in (kwargs or {}).items():
-            one(lambda k, i: argument_name(info, k, i), name, value)
-        return items
-
-    # taint: non-finite storages already judged (reported, allowed, or propagated)
-    @staticmethod
-    def _version(t):
-        try:
-            return t._version
-        except Exception:  # inference tensors have no version counter
-            return None
-
-    def _taint_add(self, t, has_nan, has_inf, lineage):
-        try:
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            ref = weakref.ref(storage)   # storage objects are preserved: dies with the memory
-        except Exception:
-            return
-        if len(self._taint) > 4096:
-            self._prune_taint()
-        self._taint[ptr] = (ref, self._version(t), has_nan, has_inf, lineage)
-
-    def _prune_taint(self) -> None:
-        """Drop the records of non-finite tensors whose memory is gone."""
-        self._taint = {k: r for k, r in self._taint.items() if r[0]() is not None}
-
-    def _no_live_taint(self) -> bool:
-        """Whether no non-finite tensor judged so far is still alive (dead ones dropped)."""
-        if self._taint:
-            self._prune_taint()
-        return not self._taint
-
-    def _taint_get(self, t):
-        """(has_nan, has_inf, lineage) if `t`'s current non-finite values were already
-        judged; lineage: they descend from a reported stop."""
-        if not self._taint:
-            return None
-        try:
-            ptr = t.untyped_storage().data_ptr()
-        except Exception:
-            return None
-        rec = self._taint.get(ptr)
-        if rec is None:
-            return None
-        ref, version, has_nan, has_inf, lineage = rec
-        if ref() is None:
-            return None     # that memory was freed; this is a new tensor at its address
-        now = self._version(t)
-        if version is not None and now is not None and now - version not in (0, 1):
-            return None  # written by a later op: that op's own check judged it
-        return has_nan, has_inf, lineage
-
-    def _judge(self, info, args, kwargs, bad, list_index, counts, stage, node_name, node_prov,
-               record, frame, here, freed=None, dtype=None):
-        """Apply the stop rule to one non-finite output; return a Violation or None."""
-        nan, posinf, neginf = counts
-        out_nan = nan > 0
-        self._judged += 1
-        try:
-            bad_ptr = bad.untyped_storage().data_ptr()
-        except Exception:
-            bad_ptr = None
-        mutated_keys = {key for key, _ in info.mutated}
-        rows = []              # (label, value, has_nan, has_inf, known, lineage)
-        for label, value, key in self._inputs(info, args, kwargs, list_index):
-            if isinstance(value, Tensor):
-                if not value.is_floating_point() or value.is_complex():
-                    rows.append((label, value, False, False, True, False))
-                    continue
-                in_place = key in mutated_keys and (
-                    value is bad or (bad_ptr is not None and bad_ptr and
-                                     value.untyped_storage().data_ptr() == bad_ptr))
-                if in_place:
-                    # the input IS the output: its state before the op is known only
-                    # through the taint of an earlier judged op (finite otherwise)
-                    prior = self._taint_get(value)
-                    has_nan, has_inf, lineage = prior if prior else (False, False, False)
-                    rows.append((label, value, has_nan, has_inf, True, lineage))
-                    continue
-                c = _counts(value)
-                has_nan, has_inf = c[0] > 0, c[1] + c[2] > 0
-                known, lineage = True, False
-                if has_nan or has_inf:
-                    prior = self._taint_get(value)
-                    known = prior is not None and (prior[0] or not has_nan)
-                    lineage = bool(prior and prior[2])
-                rows.append((label, value, has_nan, has_inf, known, lineage))
-            elif isinstance(value, float) and not _isfinite(value):
-                rows.append((f"{label} = {value}", value, value != value,
-                             value == value, False, False))
-            else:
-                rows.append((label, value, False, False, True, False))
-        if freed is not None:
-            rows.append(("an input freed before the window was read", None, *freed[:2],
-                         True, freed[2]))
-
-        any_nan = any(r[2] for r in rows)
-        nonfinite = [r for r in rows if r[2] or r[3]]
-        lineage = any(r[5] for r in nonfinite)   # descends from a reported stop
-        culprit = ""
-        text = ""
-        stop = False
-        if out_nan:
-            kind = "nan"
-            if not any_nan:
-                # a NaN made here: from finite inputs, or from Infs (inf - inf, 0 * inf,
-                # softmax of an all -inf row). A consequence only when those Infs
-                # descend from a stop already reported.
-                created = True
-                stop = "nan" in self.break_on and not lineage
-                if nonfinite:
-                    culprit = nonfinite[0][0]
-                    text = f"{culprit} holds Inf (e.g. a fully masked row)"
-            else:
-                unknown = [r for r in rows if r[2] and not r[4]]
-                created = False
-                if unknown:
-                    stop = "nan" in self.break_on
-                    culprit = unknown[0][0]
-        else:
-            kind = "inf"
-            if not nonfinite:
-                created = True
-                stop = "inf" in self.break_on
-            else:
-                created = False
-                unknown = [r for r in nonfinite if not r[4]]
-                if unknown and "inf-all" in self.break_on:
-                    stop = True
-                    culprit = unknown[0][0]
-        if stop and stage == "optimizer" and self._opt_stop_step == self._steps:
-            stop = False   # one stop per optimizer step: the other parameters follow
-        if stop and (info.name.startswith(SCALER_OPS) or (
-                stage == "backward" and self._amp.excuses(dtype or bad.dtype))):
-            stop = False   # a loss scaler's overflow: GradScaler skips this step
-        if stop and stage == "backward":
-            text = self._amp.with_note(text)
-        # everything judged here is known from now on: propagation is not a new stop
-        self._taint_add(bad, out_nan, posinf + neginf > 0, stop or lineage)
-        for r in nonfinite:
-            if not r[4] and isinstance(r[1], Tensor):
-                self._taint_add(r[1], r[2], r[3], False)
-        if not stop:
-            return None
-
-        # where
-        torch_op = info.torch_op
-        param = ""
-        if stage == "backward" and node_prov is not None:
-            record, file, line, function, fwd_torch_op = node_prov
-            file = os.path.abspath(file) if file and not file.startswith("<") else file
-            torch_op = fwd_torch_op or torch_op
-        elif here is not None:
-            file, line, function = here
-            file = os.path.abspath(file) if file and not file.startswith("<") else file
-        else:
-            file, line, function = _frames.location(frame)
-        module, module_type = self._names.path(record) if stage != "optimizer" else ("", "")
-        if stage == "optimizer":
-            param = self._names.param(bad, self._optimizer)
-            module, module_type = self._names.owner(param)
-        patterns = tuple(_ALLOWED) + self.allow
-        if patterns and (matches(patterns, (info.name, info.short, info.name.rsplit(".", 1)[0]))
-                         or (module and matches(patterns, (module,)))):
-            return None
-        if stage == "optimizer":
-            self._opt_stop_step = self._steps
-        from ..core.records import Violation
-        return Violation(
-            kind=kind, op=info.name, torch_op=torch_op, module=module,
-            module_type=module_type, stage=stage, frame=frame, file=file, line=line,
-            function=function, nan=nan, posinf=posinf, neginf=neginf, created=created,
-            culprit=culprit, output=_summary(bad),
-            inputs=[(label, _summary(value) if isinstance(value, Tensor) else repr(value))
-                    for label, value, *_ in rows],
-            param=param, node=node_name,
-            step=self._steps if self._opt_seen else None, text=text,
-        )
-
-    # -- reporting -------------------------------------------------------------------
-    def _report(self, v) -> None:
-        self.violations.append(v)
-        if self.action == "raise":
-            self._after_escape(v, exception_type=NonFiniteError)
-            raise NonFiniteError(f"mldebug: {v.headline()}", v)
-        if _get_ident() != self._owner:
-            # autograd's device threads: pause on the user's thread at its next event
-            self._stash.append(v)
-            return
-        callback = self.on_violation
-        if callback is None:
-            from ..core.session import current
-            callback = current().on_violation
-        self._suspend += 1
-        self._update_skip()
-        try:
-            callback(v)
-        except BaseException as exc:
-            self._after_escape(v, exception_type=type(exc))
-            raise
-        finally:
-            self._suspend -= 1
-            self._update_skip()
-
-    def _after_escape(self, v, exception_type):
-        """An exception leaves the op: the optimizer's post hook will not run, and for
-        non-Exception errors (BatchStop) nor will the modules' always-call hooks."""
-        if v.stage == "optimizer":
-            self._opt_depth = 0
-        if not issubclass(exception_type, Exception) and not self._t.replaying:
-            self._top = None
-            if self._t.popped:         # the outermost call's post hook will not run
-                _tiers.push(self._mode)
-                self._t.popped = False
-        self._pending = []
-
-    def _deliver_stash(self):
-        if _get_ident() != self._owner or self._skip:
-            return
-        stash, self._stash = self._stash, []
-        frame = _frames.user_frame(_caller(1))
-        for v in stash:
-            if v.frame is None:
-                v.frame = frame
-            self.violations.remove(v)
-            self._report(v)
-
-    # -- device window (CUDA and other non-CPU devices) ------------------------------
-    def _window_add(self, func, info, args, kwargs, outs, flat=None):
-        """Sum the outputs on their device (no sync) and remember enough to judge later.
-
-        `outs`: the op's outputs as returned (tensors, or lists of them for foreach
-        ops); `flat`: the floating device tensors among them when already known."""
-        if flat is None:
-            flat = outs
-        sums = [t.sum(dtype=_F32) for t in flat]
-        total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
-        if self._t.read_now:
-            # a re-run or the loss region's dry run is there to pin the op: read now (a
-            # sync per op, on these rare paths), while the op's inputs are alive to judge
-            if not _isfinite(total.item()):
-                self._slow(func, info, args, kwargs, outs, None)
-            return
-        node = _current_node()
-        if node is not None:
-            stage, node_name = "backward", node.name()
-            node_prov = node.metadata.get(METADATA_KEY)
-            here = None
-            if not self._bwd_queued:
-                self._bwd_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
-        else:
-            stage = "optimizer" if self._opt_depth else "forward"
-            node_name, node_prov = "", None
-            f = _caller(2)
-            while f is not None and not _USER.get(f.f_code.co_filename, False):
-                if f.f_code.co_filename not in _USER:
-                    _is_user_file(f.f_code.co_filename)
-                    continue
-                f = f.f_back
-            here = (f.f_code.co_filename, f.f_lineno, f.f_code.co_name) if f is not None else None
-        # inputs already judged non-finite, noted now: they may be freed by the time the
-        # window is read (a temporary), and then nothing says where their values came from
-        prior = None
-        if self._taint:
-            prior = [k for k in map(self._taint_get, _tiers.flat_tensors((args, kwargs)))
-                     if k is not None]
-        self._win.append((total, func, info, _weak(args), _weak(kwargs) if kwargs else None,
-                          _weak(outs), (stage, node_name, node_prov, self._top, here), prior,
-                          flat[0].dtype))
-        if len(self._win) >= WINDOW_MAX:
-            self._flush_window()
-
-    def _backward_done(self):
-        self._bwd_queued = False
-        if self._win and not self._skip:
-            self._flush_window()
-
-    def _flush_window(self):
-        """Read the window's flags with one transfer; judge flagged ops in order.
-
-        Runs from hooks, where the mode is active: suspended, so that its own ops are
-        not watched."""
-        win, self._win = self._win, []
-        if not win:
-            return
-        self._suspend += 1
-        self._update_skip()
-        try:
-            self._judge_window(win)
-        finally:
-            self._suspend -= 1
-            self._update_skip()
-
-    def _judge_window(self, win):
-        try:
-            flags = torch.isfinite(torch.stack([e[0] for e in win]))
-            if bool(flags.all()):          # the one sync of the window
-                return
-            flagged = (~flags).nonzero().flatten().tolist()
-        except Exception:                  # mixed devices: one read per entry
-            flagged = [i for i, e in enumerate(win) if not _isfinite(float(e[0]))]
-        n0 = len(self.violations)
-        for k, i in enumerate(flagged):
-            total, func, info, wargs, wkwargs, wouts, entry, prior, dtype = win[i]
-            args = _live(wargs)
-            kwargs = _live(wkwargs) if wkwargs else {}
-            outs = _live(wouts)
-            note = ""
-            if not any(t is not None for t, _ in self._flatten_outputs(outs)):
-                # freed before the window was read: judge its sum instead (counts are
-                # then those of the sum, and an overflowing sum cannot be told apart)
-                outs = (total,)
-                note = "the output was freed before the window was read: judged by its sum"
-            else:
-                dtype = None
-            freed = None
-            if _any_dead(wargs) or _any_dead(wkwargs):
-                # an input freed since: what it held is known if it was judged before the
-                # op ran; else, after an earlier op of this window made a NaN/Inf, it is
-                # taken to hold that (a temporary between the two): not a new stop
-                if prior:
-                    freed = (any(p[0] for p in prior), any(p[1] for p in prior),
-                             any(p[2] for p in prior))
-                elif k:
-                    freed = (True, True, len(self.violations) > n0)
-            self._slow(func, info, args, kwargs, outs, entry, note, freed, dtype)
-
-
-def _weak(value):
-    """Tensors (also inside lists, tuples and dicts) replaced by weak references."""
-    if isinstance(value, Tensor):
-        return weakref.ref(value)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_weak(x) for x in value) if any(
-            isinstance(x, (Tensor, list, tuple)) for x in value) else value
-    if isinstance(value, dict):
-        return {k: _weak(v) for k, v in value.items()}
-    return value
-
-
-def _any_dead(value) -> bool:
-    """Whether a tensor held by `_weak` is gone."""
-    if isinstance(value, weakref.ref):
-        return value() is None
-    if isinstance(value, (list, tuple)):
-        return any(_any_dead(x) for x in value)
-    if isinstance(value, dict):
-        return any(_any_dead(x) for x in value.values())
-    return False
-
-
-def _live(value):
-    """Undo `_weak`: dead tensors become None."""
-    if isinstance(value, weakref.ref):
-        return value()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_live(x) for x in value)
-    if isinstance(value, dict):
-        return {k: _live(v) for k, v in value.items()}
-    return value
 
 
 class _Suspended:

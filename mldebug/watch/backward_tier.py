@@ -1,0 +1,311 @@
+"""The backward tier: `loss.backward()` runs the loss region under the exact mode (a dry
+run, skipped when its nodes are all safe.SAFE_BACKWARD), the model's backward without
+it, then one check of the gradients (`_GradSentinel` on the model outputs' nodes, one
+sum per parameter gradient); a bad one replays the model call and its backward under
+the exact mode (`_pin_backward`). The design and its limits: tiers.py.
+
+Mixed into `Watch` (core.py), called around backward by autograd_patch.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import Tensor
+
+from ..core import replay as _replay
+from ..core.errors import NonFiniteError
+from . import safe as _safe
+from . import tiers as _tiers
+from .checks import _F32, _SUM_DTYPE, _checkable, _counts, _floating, _isfinite
+
+_get_ident = threading.get_ident
+_HOST_READS = True      # False while tests run the device paths on the CPU
+
+
+class BackwardTier:
+    """Methods of `Watch` for backward (state in `Watch._t`, a tiers.TierState)."""
+
+    def _around_backward(self, proceed, tensors, grad_tensors, args, kwargs):
+        """`loss.backward()`; then the stops found on autograd's device threads (CUDA
+        runs backward there) pause on this thread, at the user's `backward()` line."""
+        self._amp.begin([tensors] if isinstance(tensors, Tensor) else list(tensors))
+        try:
+            result = self._tiered_backward(proceed, tensors, grad_tensors, args, kwargs)
+        finally:
+            self._amp.end()
+        if self._stash and _get_ident() == self._owner:
+            self._deliver_stash()
+        return result
+
+    def _tiered_backward(self, proceed, tensors, grad_tensors, args, kwargs):
+        """The loss region exactly (dry run), the model's backward without the mode,
+        then one check of the gradients; a bad one is replayed."""
+        t = self._t
+        if (self._skip or self.exact or _get_ident() != self._owner or t.in_backward
+                or t.replaying or not t.calls):
+            return proceed(tensors, grad_tensors, *args, **kwargs)
+        opts = dict(zip(("retain_graph", "create_graph", "grad_variables", "inputs"), args))
+        opts.update(kwargs)
+        if opts.get("create_graph") or opts.get("inputs") is not None \
+                or opts.get("grad_variables") is not None:
+            return proceed(tensors, grad_tensors, *args, **kwargs)
+        roots = [tensors] if isinstance(tensors, Tensor) else list(tensors)
+        root_ids = {id(r) for r in roots}
+        targets = []     # (call, position, tensor or autograd edge of that output)
+        for call in t.calls:
+            for pos, ref in enumerate(call.outs):
+                o = ref() if ref is not None else None
+                if o is not None and id(o) in root_ids:
+                    targets.append((call, pos, o))
+                elif pos in call.used:
+                    targets.append((call, pos, call.used[pos]))
+        if not targets:
+            return proceed(tensors, grad_tensors, *args, **kwargs)   # exact all through
+        n0 = len(self.violations)
+        armed = self._arm_output_sentinels(roots, targets)
+        if not armed:
+            t.read_now += 1
+            try:
+                with _replay.replaying():
+                    grads = torch.autograd.grad(roots, [o for _, _, o in targets],
+                                                grad_tensors, retain_graph=True,
+                                                allow_unused=True)
+            except Exception as exc:  # noqa: BLE001 - the real call raises what it raises
+                if isinstance(exc, NonFiniteError) or len(self.violations) > n0:
+                    raise     # from a stop in the dry run: `q` at its prompt, action='raise'
+                return proceed(tensors, grad_tensors, *args, **kwargs)
+            finally:
+                t.read_now -= 1
+            if self._stash:   # a stop made on autograd's device thread: pause here, now
+                self._deliver_stash()
+            for (call, pos, _), g in zip(targets, grads):
+                if g is not None:
+                    call.grads[pos] = g
+        stopped = len(self.violations) > n0
+        calls = []
+        for call, _, _ in targets:
+            if call not in calls:
+                calls.append(call)
+        popped = _tiers.pop_if_top(self._mode)
+        t.bflag = None
+        t.device_grad_sums = []
+        suspect = None
+        t.in_backward += 1
+        t.loss_bflag = None
+        t.device_loss_sums = []
+        try:
+            result = proceed(tensors, grad_tensors, *args, **kwargs)
+            if not self._skip:
+                if armed:
+                    self._read_output_grad_sums()
+                # (with the mode still off; a loss region that needed the dry run may
+                # hold other paths into parameters: then every gradient is checked)
+                suspect = self._suspect_grads(calls, checked_only=bool(armed))
+        finally:
+            t.in_backward -= 1
+            for sentinel in armed:
+                sentinel.call = None
+            if popped:
+                _tiers.push(self._mode)
+        try:
+            if t.loss_bflag is not None and not self._skip:
+                stopped = self._report_loss_region(roots, targets)
+            after_stop = stopped or any(call.lineage for call in calls)
+            if (after_stop or t.loss_bflag is not None) and suspect is not None:
+                # the forward or the loss's backward made them (a stop there, or the
+                # unchecked region's overflow): the bad gradients descend from that (the
+                # optimizer must not call them a new one), no replay of the model's
+                # backward (whose forward would make that stop again)
+                for p, c in suspect[0]:
+                    self._taint_add(p.grad, c[0] > 0, c[1] + c[2] > 0, after_stop)
+            elif suspect is not None and not self._skip:
+                self._pin_backward(calls, *suspect)
+        finally:
+            t.loss_bflag = None
+            if not opts.get("retain_graph"):
+                self._forget_calls(calls)
+        return result
+
+    def _arm_output_sentinels(self, roots, targets) -> list:
+        """When the loss region (the autograd graph from the loss down to the model's
+        outputs) is made only of nodes whose backward cannot make a NaN/Inf from finite
+        values (safe.SAFE_BACKWARD), the dry run is skipped: the pre-hooks on the model
+        outputs' nodes then keep each output's gradient for a replay and check it.
+        [] when the dry run is needed: also while a non-finite value judged before is
+        alive (the loss region may then be non-finite already: its backward is judged
+        op by op)."""
+        if not self._no_live_taint():
+            return []
+        armed = []
+        for call, pos, _ in targets:
+            sentinel = call.sentinels[pos] if pos < len(call.sentinels) else None
+            if sentinel is None:
+                return []          # an output without a pre-hook: no gradient to keep
+            armed.append((sentinel, call, pos))
+        if not _safe.loss_region_safe(roots, boundary_of(targets)):
+            return []
+        for sentinel, call, pos in armed:
+            sentinel.call, sentinel.pos = call, pos
+        return [sentinel for sentinel, _, _ in armed]
+
+    def _read_output_grad_sums(self):
+        t = self._t
+        sums, t.device_loss_sums = t.device_loss_sums, []
+        if sums and t.loss_bflag is None:
+            found = _tiers.first_nonfinite_sum([(s, (call, pos)) for s, call, pos in sums])
+            if found is not None:
+                (call, pos), counts = found
+                t.loss_bflag = (call, pos, counts)
+
+    def _report_loss_region(self, roots, targets) -> bool:
+        """A model output's gradient came out of the unchecked loss region non-finite
+        (an overflow): a stop at `loss.backward()` that names the region's nodes."""
+        call, pos, counts = self._t.loss_bflag
+        n0 = len(self.violations)
+        nodes = _safe.loss_region_nodes(roots, boundary_of(targets))
+        module, module_type = self._names.path((call.module, None))
+        self._report_unpinned(
+            "backward", counts, record=(call.module, None),
+            what=f"the gradient of output {pos} of {module or module_type}",
+            reason=f"the loss's backward ({', '.join(nodes) or 'no node'}) made it from "
+                   "finite values (an overflow); it runs op by op only with "
+                   "`--watch exact`, which pins the op")
+        return len(self.violations) > n0
+
+    def _suspect_grads(self, calls, checked_only=False):
+        """After the real backward (exact mode still off): None when every gradient is
+        finite, else (bad [(param, counts)], new of those, first bad output gradient).
+        CHECKED_ONLY: leave out the gradients that follow from checked ones
+        (safe.params_to_check)."""
+        t = self._t
+        leaves = []
+        for call in calls:
+            leaves.extend(_tiers.grad_inputs(call.module, call.args, checked_only))
+        bflag, t.bflag = t.bflag, None
+        if t.device_grad_sums:
+            sums, t.device_grad_sums = t.device_grad_sums, []
+            if bflag is None:
+                bflag = _tiers.first_nonfinite_sum(sums)
+        if bflag is None and not _tiers.nonfinite_grads(leaves):
+            t.judged_grads.clear()
+            return None
+        bad = []
+        for p in {id(p): p for call in calls
+                  for p in _tiers.grad_inputs(call.module, call.args)}.values():
+            if p.grad is not None and _floating(p.grad):
+                c = _counts(p.grad)
+                if sum(c):
+                    bad.append((p, c))
+        if not bad and bflag is None:
+            return None              # a sum that overflowed
+        new = [b for b in bad if id(b[0]) not in t.judged_grads]
+        t.judged_grads = {id(p) for p, _ in bad}
+        if not new and bflag is None:
+            return None              # already judged (accumulating into a bad .grad)
+        return bad, new, bflag
+
+    def _pin_backward(self, calls, bad, new, bflag):
+        """Replay the calls' forward and backward under the exact mode (latest first:
+        backward meets them in that order) until one stops."""
+        n0, j0 = len(self.violations), self._judged
+        reasons = []
+        try:
+            for call in reversed(calls):
+                if call.grads:
+                    reason = self._replay(call.module, call.args, call.kwargs,
+                                          (call.cpu_rng, call.cuda_rng), call.autocast,
+                                          call.grads)
+                    if reason:
+                        reasons.append(reason)
+                    if len(self.violations) > n0:
+                        break
+        finally:
+            stopped = len(self.violations) > n0
+            for p, c in bad:
+                self._taint_add(p.grad, c[0] > 0, c[1] + c[2] > 0, stopped)
+        if stopped or self._judged > j0:
+            return
+        if not new:
+            record, counts = bflag
+            self._report_unpinned("backward", counts, record=record, reason="; ".join(
+                reasons) or "a re-run of the model's call and its backward made only finite "
+                "gradients (the call is not repeatable)")
+            return
+        p, counts = new[0]
+        self._report_unpinned("backward", counts, param=p,
+                              reason="; ".join(reasons) or "a re-run of the model's call and "
+                              "its backward made only finite gradients (the Inf/NaN comes "
+                              "from code outside the model's modules, e.g. a loss term that "
+                              "uses the parameter directly, or the call is not repeatable)")
+
+
+class _GradSentinel:
+    """Pre-hook on the autograd node of a module output: the output's gradient, checked
+    with one sum during the real backward (where the exact mode is off); the first bad
+    one flags the backward."""
+
+    __slots__ = ("w", "record", "index", "call", "pos")
+
+    def __init__(self, watch, record, index):
+        self.w = watch
+        self.record = record
+        self.index = index
+        self.call = None    # armed by a backward that skips the dry run: (RootCall,
+        self.pos = None     # position) whose gradient this is, kept for a replay
+
+    def __call__(self, grad_outputs):
+        t = self.w._t
+        if not t.in_backward or self.index >= len(grad_outputs):
+            return None
+        grad = grad_outputs[self.index]
+        if self.call is not None:
+            if isinstance(grad, Tensor):
+                self._keep(t, grad)     # (its own check: what it finds is the loss's)
+            return None
+        if t.bflag is not None:
+            return None
+        if isinstance(grad, Tensor) \
+                and _SUM_DTYPE.get(grad.dtype, 0) != 0 and _checkable(grad):
+            if not (grad.is_cpu and _HOST_READS):
+                # no sync here: read with the parameters' gradients
+                t.device_grad_sums.append((grad.detach().sum(dtype=_F32), self.record))
+                return None
+            counts = _cpu_nonfinite_counts(grad)
+            if counts is not None:
+                t.bflag = (self.record, counts)
+        return None
+
+    def _keep(self, t, grad):
+        """A model output's gradient, straight from the unchecked loss region."""
+        self.call.grads[self.pos] = grad
+        if _SUM_DTYPE.get(grad.dtype, 0) == 0 or not _checkable(grad):
+            return
+        if not (grad.is_cpu and _HOST_READS):
+            t.device_loss_sums.append((grad.detach().sum(dtype=_F32), self.call, self.pos))
+        elif t.loss_bflag is None:
+            counts = _cpu_nonfinite_counts(grad)
+            if counts is not None:
+                t.loss_bflag = (self.call, self.pos, counts)
+
+
+def _cpu_nonfinite_counts(grad):
+    """A CPU gradient (floating, checkable): one sum; exact (nan, +inf, -inf) counts when
+    it holds a NaN/Inf, else None (also for a finite sum that merely overflowed)."""
+    sum_dtype = _SUM_DTYPE[grad.dtype]
+    s = grad.sum() if sum_dtype is None else grad.sum(dtype=sum_dtype)
+    if _isfinite(s.item()):
+        return None
+    counts = _counts(grad)
+    return counts if sum(counts) else None
+
+
+def boundary_of(targets) -> dict:
+    """id(node) -> node of the autograd nodes of the model outputs that backward meets
+    (a tensor's grad_fn, or the node of a kept gradient edge)."""
+    nodes = {}
+    for _, _, o in targets:
+        node = o.grad_fn if isinstance(o, Tensor) else getattr(o, "node", None)
+        if node is not None:
+            nodes[id(node)] = node
+    return nodes

@@ -1,0 +1,162 @@
+"""The device window: outputs on a non-CPU device (CUDA) are summed on the device without
+a sync, and the sums of many ops are read with one transfer (when the outermost module
+returns, at the end of backward, around the optimizer step, every WINDOW_MAX ops, at
+close()). A flagged op is then judged as the per-op check would have (verdict.py), with
+the inputs and outputs that are still alive.
+
+Mixed into `Watch` (core.py).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import Tensor
+
+from ..core import frames as _frames
+from . import tiers as _tiers
+from .checks import _F32, METADATA_KEY, _caller, _isfinite
+
+_current_node = torch._C._current_autograd_node
+_USER = _frames._is_user_cache     # file name -> is user code (filled by is_user_file)
+_is_user_file = _frames.is_user_file
+
+WINDOW_MAX = 1024          # device window: read the flags at least every this many ops
+
+
+class DeviceWindow:
+    """Methods of `Watch` for the device window (entries in `Watch._win`)."""
+
+    def _window_add(self, func, info, args, kwargs, outs, flat=None):
+        """Sum the outputs on their device (no sync) and remember enough to judge later.
+
+        `outs`: the op's outputs as returned (tensors, or lists of them for foreach
+        ops); `flat`: the floating device tensors among them when already known."""
+        if flat is None:
+            flat = outs
+        sums = [t.sum(dtype=_F32) for t in flat]
+        total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+        if self._t.read_now:
+            # a re-run or the loss region's dry run is there to pin the op: read now (a
+            # sync per op, on these rare paths), while the op's inputs are alive to judge
+            if not _isfinite(total.item()):
+                self._slow(func, info, args, kwargs, outs, None)
+            return
+        node = _current_node()
+        if node is not None:
+            stage, node_name = "backward", node.name()
+            node_prov = node.metadata.get(METADATA_KEY)
+            here = None
+            if not self._bwd_queued:
+                self._bwd_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        else:
+            stage = "optimizer" if self._opt_depth else "forward"
+            node_name, node_prov = "", None
+            f = _caller(2)
+            while f is not None and not _USER.get(f.f_code.co_filename, False):
+                if f.f_code.co_filename not in _USER:
+                    _is_user_file(f.f_code.co_filename)
+                    continue
+                f = f.f_back
+            here = (f.f_code.co_filename, f.f_lineno, f.f_code.co_name) if f is not None else None
+        # inputs already judged non-finite, noted now: they may be freed by the time the
+        # window is read (a temporary), and then nothing says where their values came from
+        prior = None
+        if self._taint:
+            prior = [k for k in map(self._taint_get, _tiers.flat_tensors((args, kwargs)))
+                     if k is not None]
+        self._win.append((total, func, info, _weak(args), _weak(kwargs) if kwargs else None,
+                          _weak(outs), (stage, node_name, node_prov, self._top, here), prior,
+                          flat[0].dtype))
+        if len(self._win) >= WINDOW_MAX:
+            self._flush_window()
+
+    def _backward_done(self):
+        self._bwd_queued = False
+        if self._win and not self._skip:
+            self._flush_window()
+
+    def _flush_window(self):
+        """Read the window's flags with one transfer; judge flagged ops in order.
+
+        Runs from hooks, where the mode is active: suspended, so that its own ops are
+        not watched."""
+        win, self._win = self._win, []
+        if not win:
+            return
+        self._suspend += 1
+        self._update_skip()
+        try:
+            self._judge_window(win)
+        finally:
+            self._suspend -= 1
+            self._update_skip()
+
+    def _judge_window(self, win):
+        try:
+            flags = torch.isfinite(torch.stack([e[0] for e in win]))
+            if bool(flags.all()):          # the one sync of the window
+                return
+            flagged = (~flags).nonzero().flatten().tolist()
+        except Exception:                  # mixed devices: one read per entry
+            flagged = [i for i, e in enumerate(win) if not _isfinite(float(e[0]))]
+        n0 = len(self.violations)
+        for k, i in enumerate(flagged):
+            total, func, info, wargs, wkwargs, wouts, entry, prior, dtype = win[i]
+            args = _live(wargs)
+            kwargs = _live(wkwargs) if wkwargs else {}
+            outs = _live(wouts)
+            note = ""
+            if not any(t is not None for t, _ in self._flatten_outputs(outs)):
+                # freed before the window was read: judge its sum instead (counts are
+                # then those of the sum, and an overflowing sum cannot be told apart)
+                outs = (total,)
+                note = "the output was freed before the window was read: judged by its sum"
+            else:
+                dtype = None
+            freed = None
+            if _any_dead(wargs) or _any_dead(wkwargs):
+                # an input freed since: what it held is known if it was judged before the
+                # op ran; else, after an earlier op of this window made a NaN/Inf, it is
+                # taken to hold that (a temporary between the two): not a new stop
+                if prior:
+                    freed = (any(p[0] for p in prior), any(p[1] for p in prior),
+                             any(p[2] for p in prior))
+                elif k:
+                    freed = (True, True, len(self.violations) > n0)
+            self._slow(func, info, args, kwargs, outs, entry, note, freed, dtype)
+
+
+def _weak(value):
+    """Tensors (also inside lists, tuples and dicts) replaced by weak references."""
+    if isinstance(value, Tensor):
+        return weakref.ref(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_weak(x) for x in value) if any(
+            isinstance(x, (Tensor, list, tuple)) for x in value) else value
+    if isinstance(value, dict):
+        return {k: _weak(v) for k, v in value.items()}
+    return value
+
+
+def _any_dead(value) -> bool:
+    """Whether a tensor held by `_weak` is gone."""
+    if isinstance(value, weakref.ref):
+        return value() is None
+    if isinstance(value, (list, tuple)):
+        return any(_any_dead(x) for x in value)
+    if isinstance(value, dict):
+        return any(_any_dead(x) for x in value.values())
+    return False
+
+
+def _live(value):
+    """Undo `_weak`: dead tensors become None."""
+    if isinstance(value, weakref.ref):
+        return value()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_live(x) for x in value)
+    if isinstance(value, dict):
+        return {k: _live(v) for k, v in value.items()}
+    return value

@@ -1,0 +1,190 @@
+"""The per-op check: a `TorchDispatchMode` that checks every floating output of every
+aten op while it is on the dispatch stack (outside module calls by default; everywhere
+with `exact=True`).
+
+Hot path (per op, see `_Mode.__torch_dispatch__`): one dict lookup for the cached
+`OpInfo`, the op, then for each floating CPU output one reduction (`sum`) and one
+`.item()`; `math.isfinite` on the float. Ops that cannot make a NaN/Inf (`OpInfo.safe`,
+see ops.py) skip the reduction while nothing non-finite has been judged. NaN and Inf
+propagate through a sum, so a finite sum means a finite tensor; a non-finite sum (or a
+sum that merely overflowed) goes to `Watch._slow` (verdict.py), which counts exactly and
+applies the stop rule. Outputs on other devices (CUDA) are summed on the device without
+a sync and read once per window (device_window.py).
+
+`PerOpCheck` is mixed into `Watch` (core.py): the methods the mode calls besides the
+common single-tensor case. The mode calls them as `watch._x(...)`, one call, as before
+the split (a mixin adds no Python layer).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..core import frames as _frames
+from .checks import (_F32, _LOW, _SUM_DTYPE, _checkable, _getframe, _grad_enabled,
+                     _isfinite)
+from .ops import OpInfo
+
+_USER_CODE: dict = {}              # code object -> is user code (the hot path's cache)
+_is_user_file = _frames.is_user_file
+
+_OP_INFOS: dict = {}       # id(overload) -> OpInfo, for every watch (info.func keeps
+                           # the overload alive, so its id stays unique)
+_HOST_READS = True         # CPU outputs read at once; False: as a device's (tests,
+                           # core.simulate_device)
+
+
+def _skip_dynamo(classes) -> None:
+    """Tell dynamo never to trace the watch's code (what torch._dynamo.disable does for
+    a mode's __torch_dispatch__, without the per-call wrapper): every function of
+    CLASSES (their own, not inherited ones)."""
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except Exception:
+        return
+    strategy = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+    for obj in [obj for cls in classes for obj in vars(cls).values()]:
+        code = getattr(getattr(obj, "__func__", obj), "__code__", None)
+        if code is not None:
+            try:
+                set_code_exec_strategy(code, strategy)
+            except Exception:
+                return
+
+
+class _Mode(TorchDispatchMode):
+    """The per-op check. Kept lean: this runs for every aten op of the program."""
+
+    def __init__(self, watch):
+        super().__init__()
+        self.w = watch
+        self.infos = watch._infos
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch would wrap __torch_dispatch__ in torch._dynamo.disable: two Python
+        # layers per op (~2 us). `_skip_dynamo()` marks the code objects instead.
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        info = self.infos.get(id(func))   # OpOverload.__hash__ is Python: key by id
+        if info is None:
+            info = self.w._info(func)
+        w = self.w
+        if w._skip:
+            op = info.op
+            return op(*args, **kwargs) if kwargs else op(*args)
+        if w._open:
+            w._mark_used(args)
+        if info.skip:
+            op = info.op
+            return op(*args, **kwargs) if kwargs else op(*args)
+        if w._pending:
+            w._attach_provenance()
+        if w._stash:
+            w._deliver_stash()
+        op = info.op
+        safe = info.safe
+        if safe and (w._taint or w._win or (safe == 2 and not info.guard(args, kwargs))):
+            safe = 0
+        out = op(*args, **kwargs) if kwargs else op(*args)
+        if safe and (not info.promote or not isinstance(out, Tensor)
+                     or out.dtype not in _LOW):
+            # cannot make a NaN/Inf from finite inputs, and nothing non-finite was
+            # judged yet: no check (see ops.SAFE_ALWAYS)
+            if info.prov and _grad_enabled():
+                w._pending.append((out, w._provenance(info)))
+            return out
+        if isinstance(out, Tensor):
+            sum_dtype = _SUM_DTYPE.get(out.dtype, 0)
+            if sum_dtype == 0:
+                return out                # integer, bool, complex: not checked
+            if not _checkable(out):
+                return out                # fake/meta/nested/mkldnn/subclass: no data to read
+            if out.is_cpu and _HOST_READS:
+                s = out.sum() if sum_dtype is None else out.sum(dtype=sum_dtype)
+                if not _isfinite(s.item()):
+                    w._slow(func, info, args, kwargs, (out,), None)
+            else:
+                w._window_add(func, info, args, kwargs, (out,))
+            if _grad_enabled():
+                # provenance for backward: the user line of this forward op
+                try:
+                    f = _getframe(1)
+                except ValueError:   # autograd device thread: no Python caller
+                    f = None
+                while f is not None:
+                    code = f.f_code
+                    user = _USER_CODE.get(code)
+                    if user is None:
+                        user = _USER_CODE[code] = _is_user_file(code.co_filename)
+                    if user:
+                        w._pending.append((out, (w._top, code.co_filename, f.f_lineno,
+                                                 code.co_name, info.torch_op)))
+                        return out
+                    f = f.f_back
+                w._pending.append((out, (w._top, "", 0, "", info.torch_op)))
+        elif out is None:
+            if info.mutated:
+                w._check_many(func, info, args, kwargs, w._mutated(info, args, kwargs))
+        elif type(out) is tuple or type(out) is list:
+            w._check_many(func, info, args, kwargs, out)
+            if _grad_enabled():
+                w._pending.append((out, w._provenance(info)))
+        return out
+
+
+class PerOpCheck:
+    """Methods of `Watch` that the per-op check calls: OpInfo cache, several outputs."""
+
+    def _info(self, func) -> OpInfo:
+        info = OpInfo(func)
+        info.func = func                 # keeps the overload alive: its id stays unique
+        self._infos[id(func)] = info
+        return info
+
+    def _mutated(self, info, args, kwargs):
+        tensors = []
+        for key, _ in info.mutated:
+            value = args[key] if isinstance(key, int) and key < len(args) else (
+                kwargs.get(key) if isinstance(key, str) and kwargs else None)
+            if isinstance(value, Tensor):
+                tensors.append(value)
+            elif isinstance(value, (list, tuple)):
+                tensors.append(value)
+        return tensors
+
+    def _check_many(self, func, info, args, kwargs, outs):
+        """Check a tuple/list of outputs (may hold lists: foreach ops)."""
+        cpu = []
+        device = []
+        for item in outs:
+            if isinstance(item, Tensor):
+                items = (item,)
+            elif isinstance(item, (list, tuple)):
+                items = item
+            else:
+                continue
+            for t in items:
+                if isinstance(t, Tensor) and _SUM_DTYPE.get(t.dtype, 0) != 0 \
+                        and _checkable(t):
+                    (cpu if t.is_cpu and _HOST_READS else device).append(t)
+        if device:
+            self._window_add(func, info, args, kwargs, tuple(outs), device)
+        if not cpu:
+            return
+        if len(cpu) > 4:
+            try:
+                total = torch.stack(torch._foreach_norm(cpu, 1, dtype=_F32)).sum()
+                if _isfinite(total.item()):
+                    return
+            except Exception:
+                pass
+        for t in cpu:
+            sum_dtype = _SUM_DTYPE[t.dtype]
+            s = t.sum() if sum_dtype is None else t.sum(dtype=sum_dtype)
+            if not _isfinite(s.item()):
+                self._slow(func, info, args, kwargs, outs, None)
+                return

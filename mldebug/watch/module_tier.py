@@ -1,0 +1,255 @@
+"""The module tier: inside an outermost module call the exact mode is off, and each
+module's output is checked by a sentinel (one sum) in the global forward hook; a flagged
+call is replayed under the exact mode, which stops at the op that made the value. The
+output sentinels also arm the gradient sentinels of backward_tier.py, and the outermost
+calls are remembered there for a backward replay. The design and its limits: tiers.py.
+
+Mixed into `Watch` (core.py), called from its module hooks.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import Tensor
+
+from ..core.errors import NonFiniteError
+from . import safe as _safe
+from . import tiers as _tiers
+from .backward_tier import _GradSentinel
+from .checks import (_F32, _SUM_DTYPE, _caller, _checkable, _counts, _floating,
+                     _grad_enabled, _isfinite)
+from .tiers import RootCall, flat_tensors
+
+_HOST_READS = True      # False while tests run the device paths on the CPU
+
+
+class ModuleTier:
+    """Methods of `Watch` for module calls (state in `Watch._t`, a tiers.TierState)."""
+
+    def _sentinel(self, output, record):
+        """A module's output, checked with one sum per tensor while the exact mode is off."""
+        t = self._t
+        outs = (output,) if isinstance(output, Tensor) else flat_tensors(output)
+        sentinels = []              # by position in outs (an outermost call's are kept)
+        code = record[4] if len(record) > 4 else 0
+        for out in outs:
+            if out is t.last_out:   # a parent returning its child's output
+                sentinels.append(t.last_sentinels[-1] if t.last_sentinels else None)
+                continue
+            sentinels.append(None)
+            sum_dtype = _SUM_DTYPE.get(out.dtype, 0)
+            if sum_dtype == 0 or not _checkable(out):
+                continue
+            d = out.detach()        # no autograd node for our own sum
+            if out.requires_grad and not code & _safe.NO_GRAD_CHECK and _grad_enabled():
+                # the gradient of this output, checked when the real backward runs: a
+                # pre-hook on its autograd node (cheaper to register than a tensor hook)
+                node = out.grad_fn
+                if node is not None:
+                    sentinels[-1] = _GradSentinel(self, record, out.output_nr)
+                    node.register_prehook(sentinels[-1])
+            if code & _safe.NO_FORWARD_CHECK:
+                continue            # the next child in its Sequential shows it
+            if d.is_cpu and _HOST_READS:
+                s = d.sum() if sum_dtype is None else d.sum(dtype=sum_dtype)
+                if not _isfinite(s.item()) and t.flag is None:
+                    self._sentinel_flag(out, record)
+            else:
+                t.device_sums.append((d.sum(dtype=_F32), weakref.ref(out), record))
+        if outs:
+            t.last_out = outs[-1]
+            t.last_sentinels = sentinels
+
+    def _sentinel_flag(self, out, record):
+        with self._own_ops():
+            counts = _counts(out)
+        if sum(counts):             # (else: a finite sum that overflowed)
+            self._t.flag = (record, counts)
+
+    def _flush_device_sums(self):
+        t = self._t
+        sums, t.device_sums = t.device_sums, []
+        try:
+            flags = torch.isfinite(torch.stack([s for s, _, _ in sums]))
+            if bool(flags.all()):     # the one sync of the outermost call
+                return
+            flagged = (~flags).nonzero().flatten().tolist()
+        except Exception:             # mixed devices: one read per entry
+            flagged = [i for i, e in enumerate(sums) if not _isfinite(float(e[0]))]
+        for i in flagged:
+            _, ref, record = sums[i]
+            out = ref()
+            if out is not None and t.flag is None:
+                self._sentinel_flag(out, record)
+
+    def _flagged_call(self, module, args, output, record):
+        """A sentinel flagged this call's output (or a call inside it deferred to it).
+        If its inputs were already non-finite, the value was made before it, by its
+        caller's own code: defer to the caller. Else replay this call under the exact
+        mode, which stops at the op that made the value."""
+        t = self._t
+        counts = t.flag[1]
+        key = (id(module), tuple(c > 0 for c in counts))
+        if key in t.fruitless:
+            t.flag = None             # replayed before: judged, not a stop
+            self._taint_outputs(flat_tensors(output), t.fruitless[key])
+            return
+        kwargs = _tiers.call_kwargs(_caller(1))
+        parent = record[1]
+        no_rng = len(record) > 2 and record[2] is None      # (see Watch._module_pre)
+        if parent is not None and (no_rng or _tiers.any_nonfinite((args, kwargs))):
+            t.flag = (parent, counts)
+            return
+        t.flag = None
+        rng = record[2] if len(record) > 2 and record[2] is not None else t.start_rng
+        _tiers.push(self._mode)       # the replay runs under the exact mode
+        try:
+            self._replay_forward(module, args, kwargs, rng, output, record, counts, key)
+        finally:
+            _tiers.pop_if_top(self._mode)
+
+    def _root_end(self, module, args, output):
+        """The outermost call returned (exact mode back on): replay it if a device
+        sentinel flagged it; remember it for a backward replay if its output needs a
+        gradient."""
+        t = self._t
+        if t.device_sums:
+            with self._own_ops():
+                self._flush_device_sums()
+        flag, t.flag = t.flag, None
+        rng, t.start_rng = t.start_rng, None
+        sentinels, t.last_sentinels = t.last_sentinels, []
+        t.last_out = None
+        if output is None or rng is None:
+            return                    # the call raised
+        if t.done:
+            # a stop was made in this call: what it returns descends from it
+            self._taint_outputs(flat_tensors(output), True)
+        kwargs = None
+        if flag is not None and not t.done:
+            record, counts = flag
+            key = (id(module), tuple(c > 0 for c in counts))
+            if key in t.fruitless:
+                self._taint_outputs(flat_tensors(output), t.fruitless[key])
+            else:
+                kwargs = _tiers.call_kwargs(_caller(1))
+                self._replay_forward(module, args, kwargs, rng, output, (module, None),
+                                     counts, key)
+        if not _grad_enabled():
+            return
+        outs = flat_tensors(output)
+        if not any(o.requires_grad for o in outs):
+            return
+        if kwargs is None:
+            kwargs = _tiers.call_kwargs(_caller(1))
+        call = RootCall(module, args, kwargs, rng, _tiers.autocast_state(), outs)
+        call.lineage = t.done
+        if len(sentinels) == len(outs):
+            call.sentinels = sentinels
+        t.calls.append(call)
+        for pos, o in enumerate(outs):
+            if o.requires_grad:
+                t.open[id(o)] = (call, pos)
+        if len(t.calls) > _tiers.MAX_CALLS:
+            self._forget_calls(t.calls[:1])
+
+    def _forget_calls(self, calls=None):
+        t = self._t
+        if calls is None:
+            t.calls = []
+            t.open.clear()
+            return
+        gone = {id(c) for c in calls}
+        t.calls = [c for c in t.calls if id(c) not in gone]
+        for key in [k for k, (c, _) in t.open.items() if id(c) in gone]:
+            del t.open[key]
+
+    def _mark_used(self, args):
+        """An op outside modules reads an outermost call's output: the loss region's
+        gradient flows into it (the dry run of `_around_backward` computes it). Its
+        autograd edge is kept (the tensor object itself is often a temporary)."""
+        found = self._open
+        for a in args:
+            if isinstance(a, Tensor):
+                hit = found.get(id(a))
+                if hit is not None and hit[0].outs[hit[1]]() is a:
+                    hit[0].use(hit[1], a)
+            elif type(a) is list or type(a) is tuple:
+                for x in a:
+                    hit = found.get(id(x)) if isinstance(x, Tensor) else None
+                    if hit is not None and hit[0].outs[hit[1]]() is x:
+                        hit[0].use(hit[1], x)
+
+    def _replay(self, module, args, kwargs, rng, autocast, grads=None, record=None) -> str:
+        """Run the call again under the exact mode (and its backward from GRADS, the
+        gradients of its outputs by position); '' or why it could not run."""
+        t = self._t
+        t.replaying += 1
+        t.read_now += 1
+        prev_top = self._top
+        reported = len(self.violations)
+        try:
+            with _tiers.replay_context(rng, autocast, module), \
+                    (torch.enable_grad() if grads else _tiers.contextlib.nullcontext()):
+                self._top = record if record is not None else (module, None)
+                try:
+                    out = module.forward(*args, **kwargs)
+                finally:
+                    self._top = prev_top
+                t.replay_lineage = False
+                if not grads:   # do the re-run's outputs descend from a reported stop?
+                    with self._own_ops():
+                        for o in flat_tensors(out):
+                            known = self._taint_get(o) if _floating(o) else None
+                            if known is not None and known[2]:
+                                t.replay_lineage = True
+                if grads:
+                    flat = flat_tensors(out)
+                    pairs = [(flat[pos], g) for pos, g in grads.items()
+                             if pos < len(flat) and g is not None and flat[pos].requires_grad]
+                    inputs = _tiers.grad_inputs(module, args)
+                    if pairs and inputs:
+                        torch.autograd.grad([o for o, _ in pairs], inputs,
+                                            [g for _, g in pairs], allow_unused=True)
+            return ""
+        except Exception as exc:  # noqa: BLE001 - the original call succeeded: never fail it
+            if isinstance(exc, NonFiniteError) or len(self.violations) > reported:
+                raise     # from the stop itself: `q` at the prompt (BdbQuit), action='raise'
+            return f"re-running it raised {type(exc).__name__}: {exc}"
+        finally:
+            self._top = prev_top
+            t.replaying -= 1
+            t.read_now -= 1
+            self._pending = []
+
+    def _replay_forward(self, module, args, kwargs, rng, output, record, counts, key):
+        t = self._t
+        n0, j0 = len(self.violations), self._judged
+        reason = ""
+        try:
+            reason = self._replay(module, args, kwargs, rng, _tiers.autocast_state(),
+                                  record=record)
+        finally:
+            stopped = len(self.violations) > n0
+            lineage = stopped or t.replay_lineage
+            self._taint_outputs(flat_tensors(output), lineage)
+        if stopped:
+            t.done = True     # what flows on from it in this call is not a new stop
+            return
+        if self._judged > j0:
+            # judged and not a stop (a constant Inf, an allowed op, a known NaN): the
+            # same pattern again needs no replay, only the same judgement of its output
+            if len(t.fruitless) < _tiers.MAX_PATTERNS:
+                t.fruitless[key] = lineage
+            return
+        t.done = True
+        self._report_unpinned("forward", counts, record=record, reason=reason)
+
+    def _taint_outputs(self, tensors, lineage):
+        with self._own_ops():
+            for out in tensors:
+                if _floating(out) and _checkable(out):
+                    c = _counts(out)
+                    if sum(c):
+                        self._taint_add(out, c[0] > 0, c[1] + c[2] > 0, lineage)

@@ -1,0 +1,424 @@
+"""The stop rule: a non-finite value the checks found becomes a `Violation`, or not.
+
+Mixed into `Watch` (core.py). `_slow` counts an op's outputs exactly and `_judge`
+applies the rule to one of them (made here or came in; see the package docstring);
+the tiers' verdicts: `_judge_step`, for a parameter (or its optimizer state) that the
+unchecked optimizer step left non-finite, and `_report_unpinned`, for a module output
+or gradient whose replay could not pin the op. These three build every `Violation` the
+watch reports; `_report` hands one to the callback (or raises), from the owner thread.
+The taint records which non-finite storages were judged already, so that values that
+merely flow on from them are not new stops.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+
+import torch
+from torch import Tensor
+
+from ..core import frames as _frames
+from ..core.errors import NonFiniteError
+from ..core.records import Violation
+from ..core.session import current
+from . import tiers as _tiers
+from .amp import SCALER_OPS
+from .checks import (_ALLOWED, METADATA_KEY, _caller, _counts, _floating, _isfinite,
+                     _summary)
+from .ops import argument_name, matches
+
+_current_node = torch._C._current_autograd_node
+_get_ident = threading.get_ident
+
+
+class Verdict:
+    """Methods of `Watch`: the stop rule and the report (state in `Watch`)."""
+
+    # -- an op's outputs failed their check ------------------------------------------
+    def _stage(self, node):
+        if node is not None:
+            return "backward"
+        return "optimizer" if self._opt_depth else "forward"
+
+    def _slow(self, func, info, args, kwargs, outs, entry, note="", freed=None, dtype=None):
+        """An output's check failed: count exactly, apply the rule, report a stop.
+
+        `entry` is a device-window entry (stage, node name, provenance, module record,
+        location) when the op ran earlier; None when it is running now. `freed`: an
+        input is gone, and what it is taken to have held (has NaN, has Inf, descends
+        from a stop). `dtype`: that of the output, when it is gone (judged by its sum).
+        """
+        if entry is None:
+            node = _current_node()
+            stage = self._stage(node)
+            node_name = node.name() if node is not None else ""
+            node_prov = node.metadata.get(METADATA_KEY) if node is not None else None
+            record = self._top
+            frame = _frames.user_frame(_caller(1))
+            here = None
+        else:
+            stage, node_name, node_prov, record, here = entry
+            frame = _frames.user_frame(_caller(1)) if _get_ident() == self._owner else None
+        bad = []
+        for index, item in enumerate(self._flatten_outputs(outs)):
+            t, list_index = item
+            if not _floating(t):
+                continue
+            counts = _counts(t)
+            if sum(counts):
+                bad.append((t, list_index, counts))
+        reported = None
+        for t, list_index, counts in bad:
+            v = self._judge(info, args, kwargs, t, list_index, counts, stage, node_name,
+                            node_prov, record, frame, here, freed, dtype)
+            if v is not None and note:
+                v.text = f"{v.text}; {note}" if v.text else note
+            if v is not None and reported is None:
+                reported = v
+        if reported is not None:
+            self._report(reported)
+
+    @staticmethod
+    def _flatten_outputs(outs):
+        """[(tensor, index within its list or None)]"""
+        flat = []
+        for item in outs:
+            if isinstance(item, Tensor):
+                flat.append((item, None))
+            elif isinstance(item, (list, tuple)):
+                flat.extend((t, i) for i, t in enumerate(item) if isinstance(t, Tensor))
+        return flat
+
+    def _inputs(self, info, args, kwargs, list_index):
+        """[(label, value, key)] of the op's arguments; for foreach ops only element
+        `list_index` of each list argument."""
+        items = []
+
+        def one(label_of, key, value):
+            if isinstance(value, (list, tuple)) and value and any(
+                    isinstance(x, Tensor) for x in value):
+                if list_index is not None and list_index < len(value):
+                    items.append((label_of(key, list_index), value[list_index], key))
+                else:
+                    for i, x in enumerate(value):
+                        items.append((label_of(key, i), x, key))
+            elif isinstance(value, (Tensor, float, int)) and not isinstance(value, bool):
+                items.append((label_of(key, None), value, key))
+
+        for pos, value in enumerate(args):
+            one(lambda k, i: argument_name(info, k, i), pos, value)
+        for name, value in (kwargs or {}).items():
+            one(lambda k, i: argument_name(info, k, i), name, value)
+        return items
+
+    # taint: non-finite storages already judged (reported, allowed, or propagated)
+    @staticmethod
+    def _version(t):
+        try:
+            return t._version
+        except Exception:  # inference tensors have no version counter
+            return None
+
+    def _taint_add(self, t, has_nan, has_inf, lineage):
+        try:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            ref = weakref.ref(storage)   # storage objects are preserved: dies with the memory
+        except Exception:
+            return
+        if len(self._taint) > 4096:
+            self._prune_taint()
+        self._taint[ptr] = (ref, self._version(t), has_nan, has_inf, lineage)
+
+    def _prune_taint(self) -> None:
+        """Drop the records of non-finite tensors whose memory is gone."""
+        self._taint = {k: r for k, r in self._taint.items() if r[0]() is not None}
+
+    def _no_live_taint(self) -> bool:
+        """Whether no non-finite tensor judged so far is still alive (dead ones dropped)."""
+        if self._taint:
+            self._prune_taint()
+        return not self._taint
+
+    def _taint_get(self, t):
+        """(has_nan, has_inf, lineage) if `t`'s current non-finite values were already
+        judged; lineage: they descend from a reported stop."""
+        if not self._taint:
+            return None
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except Exception:
+            return None
+        rec = self._taint.get(ptr)
+        if rec is None:
+            return None
+        ref, version, has_nan, has_inf, lineage = rec
+        if ref() is None:
+            return None     # that memory was freed; this is a new tensor at its address
+        now = self._version(t)
+        if version is not None and now is not None and now - version not in (0, 1):
+            return None  # written by a later op: that op's own check judged it
+        return has_nan, has_inf, lineage
+
+    def _judge(self, info, args, kwargs, bad, list_index, counts, stage, node_name, node_prov,
+               record, frame, here, freed=None, dtype=None):
+        """Apply the stop rule to one non-finite output; return a Violation or None."""
+        nan, posinf, neginf = counts
+        out_nan = nan > 0
+        self._judged += 1
+        try:
+            bad_ptr = bad.untyped_storage().data_ptr()
+        except Exception:
+            bad_ptr = None
+        mutated_keys = {key for key, _ in info.mutated}
+        rows = []              # (label, value, has_nan, has_inf, known, lineage)
+        for label, value, key in self._inputs(info, args, kwargs, list_index):
+            if isinstance(value, Tensor):
+                if not value.is_floating_point() or value.is_complex():
+                    rows.append((label, value, False, False, True, False))
+                    continue
+                in_place = key in mutated_keys and (
+                    value is bad or (bad_ptr is not None and bad_ptr and
+                                     value.untyped_storage().data_ptr() == bad_ptr))
+                if in_place:
+                    # the input IS the output: its state before the op is known only
+                    # through the taint of an earlier judged op (finite otherwise)
+                    prior = self._taint_get(value)
+                    has_nan, has_inf, lineage = prior if prior else (False, False, False)
+                    rows.append((label, value, has_nan, has_inf, True, lineage))
+                    continue
+                c = _counts(value)
+                has_nan, has_inf = c[0] > 0, c[1] + c[2] > 0
+                known, lineage = True, False
+                if has_nan or has_inf:
+                    prior = self._taint_get(value)
+                    known = prior is not None and (prior[0] or not has_nan)
+                    lineage = bool(prior and prior[2])
+                rows.append((label, value, has_nan, has_inf, known, lineage))
+            elif isinstance(value, float) and not _isfinite(value):
+                rows.append((f"{label} = {value}", value, value != value,
+                             value == value, False, False))
+            else:
+                rows.append((label, value, False, False, True, False))
+        if freed is not None:
+            rows.append(("an input freed before the window was read", None, *freed[:2],
+                         True, freed[2]))
+
+        any_nan = any(r[2] for r in rows)
+        nonfinite = [r for r in rows if r[2] or r[3]]
+        lineage = any(r[5] for r in nonfinite)   # descends from a reported stop
+        culprit = ""
+        text = ""
+        stop = False
+        if out_nan:
+            kind = "nan"
+            if not any_nan:
+                # a NaN made here: from finite inputs, or from Infs (inf - inf, 0 * inf,
+                # softmax of an all -inf row). A consequence only when those Infs
+                # descend from a stop already reported.
+                created = True
+                stop = "nan" in self.break_on and not lineage
+                if nonfinite:
+                    culprit = nonfinite[0][0]
+                    text = f"{culprit} holds Inf (e.g. a fully masked row)"
+            else:
+                unknown = [r for r in rows if r[2] and not r[4]]
+                created = False
+                if unknown:
+                    stop = "nan" in self.break_on
+                    culprit = unknown[0][0]
+        else:
+            kind = "inf"
+            if not nonfinite:
+                created = True
+                stop = "inf" in self.break_on
+            else:
+                created = False
+                unknown = [r for r in nonfinite if not r[4]]
+                if unknown and "inf-all" in self.break_on:
+                    stop = True
+                    culprit = unknown[0][0]
+        if stop and stage == "optimizer" and self._opt_stop_step == self._steps:
+            stop = False   # one stop per optimizer step: the other parameters follow
+        if stop and (info.name.startswith(SCALER_OPS) or (
+                stage == "backward" and self._amp.excuses(dtype or bad.dtype))):
+            stop = False   # a loss scaler's overflow: GradScaler skips this step
+        if stop and stage == "backward":
+            text = self._amp.with_note(text)
+        # everything judged here is known from now on: propagation is not a new stop
+        self._taint_add(bad, out_nan, posinf + neginf > 0, stop or lineage)
+        for r in nonfinite:
+            if not r[4] and isinstance(r[1], Tensor):
+                self._taint_add(r[1], r[2], r[3], False)
+        if not stop:
+            return None
+
+        # where
+        torch_op = info.torch_op
+        param = ""
+        if stage == "backward" and node_prov is not None:
+            record, file, line, function, fwd_torch_op = node_prov
+            file = os.path.abspath(file) if file and not file.startswith("<") else file
+            torch_op = fwd_torch_op or torch_op
+        elif here is not None:
+            file, line, function = here
+            file = os.path.abspath(file) if file and not file.startswith("<") else file
+        else:
+            file, line, function = _frames.location(frame)
+        module, module_type = self._names.path(record) if stage != "optimizer" else ("", "")
+        if stage == "optimizer":
+            param = self._names.param(bad, self._optimizer)
+            module, module_type = self._names.owner(param)
+        patterns = tuple(_ALLOWED) + self.allow
+        if patterns and (matches(patterns, (info.name, info.short, info.name.rsplit(".", 1)[0]))
+                         or (module and matches(patterns, (module,)))):
+            return None
+        if stage == "optimizer":
+            self._opt_stop_step = self._steps
+        return Violation(
+            kind=kind, op=info.name, torch_op=torch_op, module=module,
+            module_type=module_type, stage=stage, frame=frame, file=file, line=line,
+            function=function, nan=nan, posinf=posinf, neginf=neginf, created=created,
+            culprit=culprit, output=_summary(bad),
+            inputs=[(label, _summary(value) if isinstance(value, Tensor) else repr(value))
+                    for label, value, *_ in rows],
+            param=param, node=node_name,
+            step=self._steps if self._opt_seen else None, text=text,
+        )
+
+    # -- the tiers' verdicts ----------------------------------------------------------
+    def _judge_step(self, optimizer, x, p, what, group, counts):
+        """The stop rule for a parameter (or its state) that the step left non-finite."""
+        nan, posinf, neginf = counts
+        kind = "nan" if nan else "inf"
+        grad = p.grad
+        grad_counts = _counts(grad) if isinstance(grad, Tensor) and _floating(grad) else (0, 0, 0)
+        created = not sum(grad_counts)
+        unjudged = False
+        if not created:
+            known = self._taint_get(grad)
+            if known is not None:
+                return None                 # it flows on from a gradient already judged
+            # a gradient no check judged: made by the backward of layers whose gradients
+            # are not checked one by one (safe.params_to_check: only an overflow makes
+            # one there), or written outside the watch
+            unjudged = True
+            gkind = "nan" if grad_counts[0] else "inf"
+            stop = gkind in self.break_on or "inf-all" in self.break_on
+        else:
+            stop = kind in self.break_on
+        if not stop or self._opt_stop_step == self._steps:
+            return None
+        name = self._names.param(p, optimizer)
+        module, module_type = self._names.owner(name)
+        patterns = tuple(_ALLOWED) + self.allow
+        step_name = f"{type(optimizer).__name__}.step"
+        if patterns and (matches(patterns, (step_name,)) or (module and matches(patterns, (module,)))):
+            return None
+        self._opt_stop_step = self._steps
+        hyper = ", ".join(f"{k}={group[k]!r}" for k in ("lr", "momentum", "weight_decay", "eps")
+                          if k in group and not isinstance(group[k], Tensor))
+        whose = "the parameter" if what == "value" else f"its optimizer state {what!r}"
+        if unjudged:
+            text = (f"{whose} became non-finite in {step_name}() ({hyper}) from its "
+                    "gradient, which was already non-finite: made in backward by an "
+                    "overflow in layers whose gradients are checked only where they "
+                    "leave them (`--watch exact` pins the op)")
+        else:
+            text = (f"{whose} became non-finite in {step_name}() ({hyper}); the op inside "
+                    "step() is not pinned (`--watch exact` pins it)")
+        frame = _frames.user_frame(_caller(3))
+        file, line, function = _frames.location(frame)
+        with self._own_ops():
+            inputs = [("gradient", _summary(grad) if isinstance(grad, Tensor) else repr(grad))]
+            output = _summary(x)
+        return Violation(
+            kind=kind, op="", torch_op=step_name, module=module, module_type=module_type,
+            stage="optimizer", frame=frame, file=file, line=line, function=function,
+            nan=nan, posinf=posinf, neginf=neginf, created=created,
+            culprit="" if created else "its gradient", output=output, inputs=inputs,
+            param=name, step=self._steps, text=text)
+
+    def _report_unpinned(self, stage, counts, record=None, param=None, reason="",
+                         what=None):
+        """A sentinel saw a NaN/Inf that the replay could not narrow to one op: still a
+        stop, at module (forward) or parameter (backward) level, saying why."""
+        nan, posinf, neginf = counts
+        kind = "nan" if nan else "inf"
+        if kind not in self.break_on and not (kind == "inf" and "inf-all" in self.break_on):
+            return
+        if stage == "backward" and self._amp.excuses():
+            return            # a loss scaler's overflow: GradScaler skips this step
+        if stage == "backward":
+            reason = self._amp.with_note(reason)
+        frame = _frames.user_frame(_caller(1))
+        file, line, function = _frames.location(frame)
+        name = ""
+        if param is not None:
+            name = self._names.param(param)
+            module, module_type = self._names.owner(name)
+            what = f"the gradient of {name or 'a parameter'}"
+        else:
+            module, module_type = self._names.path(record)
+            what = what or f"the output of {module or module_type or 'a module'}"
+        patterns = tuple(_ALLOWED) + self.allow
+        if patterns and module and matches(patterns, (module,)):
+            return
+        text = f"{what} is not finite; the op that made it was not pinned"
+        if reason:
+            text += f": {reason}"
+        with self._own_ops():
+            output = _summary(param.grad) if param is not None else None
+        v = Violation(kind=kind, op="", torch_op="", module=module, module_type=module_type,
+                      stage=stage, frame=frame, file=file, line=line, function=function,
+                      nan=nan, posinf=posinf, neginf=neginf, created=True, culprit="",
+                      output=output, param=name, step=self._steps if self._opt_seen else None, text=text)
+        self._report(v)
+
+    # -- reporting -------------------------------------------------------------------
+    def _report(self, v) -> None:
+        self.violations.append(v)
+        if self.action == "raise":
+            self._after_escape(v, exception_type=NonFiniteError)
+            raise NonFiniteError(f"mldebug: {v.headline()}", v)
+        if _get_ident() != self._owner:
+            # autograd's device threads: pause on the user's thread at its next event
+            self._stash.append(v)
+            return
+        callback = self.on_violation
+        if callback is None:
+            callback = current().on_violation
+        self._suspend += 1
+        self._update_skip()
+        try:
+            callback(v)
+        except BaseException as exc:
+            self._after_escape(v, exception_type=type(exc))
+            raise
+        finally:
+            self._suspend -= 1
+            self._update_skip()
+
+    def _after_escape(self, v, exception_type):
+        """An exception leaves the op: the optimizer's post hook will not run, and for
+        non-Exception errors (BatchStop) nor will the modules' always-call hooks."""
+        if v.stage == "optimizer":
+            self._opt_depth = 0
+        if not issubclass(exception_type, Exception) and not self._t.replaying:
+            self._top = None
+            if self._t.popped:         # the outermost call's post hook will not run
+                _tiers.push(self._mode)
+                self._t.popped = False
+        self._pending = []
+
+    def _deliver_stash(self):
+        if _get_ident() != self._owner or self._skip:
+            return
+        stash, self._stash = self._stash, []
+        frame = _frames.user_frame(_caller(1))
+        for v in stash:
+            if v.frame is None:
+                v.frame = frame
+            self.violations.remove(v)
+            self._report(v)
