@@ -7,7 +7,7 @@ in *backward*, by `LogBackward0`, in step 1; a few steps later the forward pass 
 log(0) = -inf too and the loss turns NaN. Plain PyTorch trains on with a NaN loss;
 `torch.autograd.detect_anomaly` raises one node later, once the Inf has become a NaN.
 mldebug stops at the first one: the backward Inf, reported against the forward
-`torch.log` line that built the node, while paused at `loss.backward()`.
+`torch.log` line that built the node, while paused at the backward call.
 
     python -m mldebug examples/nan_loss.py
 """

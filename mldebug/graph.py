@@ -261,6 +261,14 @@ class Graph:
             node.violations += (label,)
         return node
 
+    def mark_violation(self, violation) -> Optional[Node]:
+        """Mark the module a session violation names: its NaN/Inf kind, or for an
+        assertion the assertion's name. Nothing for None or a violation without module."""
+        if violation is None or not violation.module:
+            return None
+        label = violation.kind if violation.kind != "assertion" else violation.assertion
+        return self.mark(violation.module, label)
+
     def modules(self) -> list:
         return [n for n in self.nodes.values() if n.kind == "module"]
 
