@@ -35,7 +35,7 @@ sys.path.insert(0, HERE)
 from bench_watch import MODELS  # noqa: E402
 
 from mldebug import graph as _graph  # noqa: E402
-from mldebug.assertions.runner import AlwaysOn  # noqa: E402
+from mldebug.assertions.scan import AlwaysOn  # noqa: E402
 
 TARGETS = {"cnn": 1.10, "gpt": 1.05}
 

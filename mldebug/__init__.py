@@ -54,7 +54,7 @@ _LAZY = {
     "Stop": ("core.records", "Stop"),
     "Violation": ("core.records", "Violation"),
     "trace": ("graph", "trace"),
-    "scan": ("graph", "scan"),
+    "scan": ("assertions.scan", "scan"),
     "Graph": ("graph", "Graph"),
     "register_assertion": ("assertions", "register_assertion"),
     "deregister_assertion": ("assertions", "deregister_assertion"),

@@ -256,7 +256,7 @@ def _start_watch(session: _session.Session, args):
 def _start_assertions(session: _session.Session, args):
     """The always-on graph capture (what `graph` shows) and, with 'assert' in
     --break-on, the staged assertions (mldebug/assertions)."""
-    from .assertions.runner import AlwaysOn
+    from .assertions.scan import AlwaysOn
 
     return AlwaysOn(assertions="assert" in session.break_on)
 

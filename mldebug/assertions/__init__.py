@@ -47,10 +47,7 @@ Each (assertion, target) stops once per run; later trips are in the runner's
 """
 from __future__ import annotations
 
-import inspect as _inspect
-import sys as _sys
-import types as _types
-
+from ..core.callable_module import make_callable
 from .base import (BACKWARD, BEFORE_BACKWARD, BEFORE_STEP, FORWARD, OPTIMIZER, STAGES,  # noqa: F401
                    STOP_STAGE, Assertion, FunctionAssertion, FunctionNodeAssertion,
                    ModuleAssertion, ParamAssertion, TensorAssertion, TensorNodeAssertion)
@@ -65,7 +62,9 @@ __all__ = ["register_assertion", "deregister_assertion", "assertions", "run", "R
 
 def run(on_violation=None):
     """Run the assertions always-on (as the CLI does); returns the Runner (close() it)."""
-    from .runner import run as _run
+    # the runner (torch hooks, the graph capture) loads when assertions run, not when a
+    # program only registers one
+    from .scan import run as _run
     return _run(on_violation)
 
 
@@ -76,14 +75,6 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-class _CallableModule(_types.ModuleType):
-    """`mldebug.assertions` is both this package and the function listing the registered
-    assertions (the same trick as `mldebug.watch`), in any import order."""
-
-    def __call__(self):
-        return _list()
-
-
-_sys.modules[__name__].__class__ = _CallableModule
-__signature__ = _inspect.signature(_list)
-assertions = _sys.modules[__name__]
+# `mldebug.assertions` is both this package and the function listing the registered
+# assertions (as `mldebug.watch`), in any import order
+assertions = make_callable(__name__, _list)

@@ -16,6 +16,7 @@ from .base import VERSION, Assertion
 
 _LOCK = threading.RLock()
 _REGISTRY: list = []
+_ON_REGISTER: list = []    # callables run after each registration (the runner module adds one)
 _LOADED = False
 
 
@@ -49,10 +50,14 @@ def register_assertion(assertion) -> Assertion:
         else:
             _REGISTRY.append(assertion)
         VERSION[0] += 1
-    from .runner import _RUNNERS
-    for runner in list(_RUNNERS):
-        runner._refresh()
+    for listener in list(_ON_REGISTER):
+        listener()
     return assertion
+
+
+def on_register(listener) -> None:
+    """Call LISTENER() after each registration (the runner refreshes what it hooks)."""
+    _ON_REGISTER.append(listener)
 
 
 def deregister_assertion(assertion) -> list:

@@ -35,7 +35,11 @@ from torch.overrides import TorchFunctionMode
 from ..core import autograd_patch as _autograd_patch
 from ..core import frames as _frames
 from ..core import replay as _replay
+from ..core.quiet import own_work, watch_suspended
+from ..core.records import Violation
+from ..core.session import current
 from ..core.structs import tensors_in
+from ..graph import Capture, active_capture
 from . import registry as _registry
 from .base import (BACKWARD, BEFORE_BACKWARD, BEFORE_STEP, FORWARD, OPTIMIZER, STOP_STAGE,
                    FunctionAssertion, ParamAssertion, TensorAssertion, TensorNodeAssertion)
@@ -121,7 +125,6 @@ class Runner:
         self._owner = _get_ident()
         source = self._source
         if source is None:
-            from ..graph import Capture, active_capture
             source = active_capture()
             if source is None:
                 source = self._own_capture = Capture().start()
@@ -487,8 +490,6 @@ class Runner:
         return True
 
     def _report(self, a, stage, module="", module_type="", param="", node="") -> None:
-        from ..core.records import Violation
-        from ..core.session import current
         frame = _frames.user_frame(sys._getframe(1))
         file, line, function = _frames.location(frame)
         if module and not module_type:
@@ -513,7 +514,7 @@ class Runner:
             callback = session.on_violation
         self._busy += 1
         try:
-            with self._watch_suspended():
+            with watch_suspended():
                 callback(v)
         finally:
             self._busy -= 1
@@ -543,10 +544,6 @@ class Runner:
     def _quiet(self):
         return _Quiet(self)
 
-    def _watch_suspended(self):
-        from ..watch import active_watch
-        w = active_watch()
-        return w.suspended() if w is not None else _Null()
 
 
 def _grad_norms(params) -> dict:
@@ -568,63 +565,32 @@ def _grad_norms(params) -> dict:
     return out
 
 
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 class _Quiet:
-    """Busy (our hooks ignore the modules and ops we run) and the watch suspended."""
+    """Busy (our hooks ignore what we run) and mldebug's own work: the graph capture and
+    the watch look away; autograd keeps recording (a check may need a gradient)."""
+
+    __slots__ = ("runner", "inner")
 
     def __init__(self, runner):
         self.runner = runner
-        self.inner = None
+        self.inner = own_work(keep_grad=True)
 
     def __enter__(self):
-        from ..graph import QUIET
         self.runner._busy += 1
-        QUIET[0] += 1
-        self.inner = self.runner._watch_suspended()
         self.inner.__enter__()
         return self
 
     def __exit__(self, *exc):
-        from ..graph import QUIET
         try:
             self.inner.__exit__(*exc)
         finally:
             self.runner._busy -= 1
-            QUIET[0] -= 1
         return False
 
 
-def run(on_violation=None) -> Runner:
-    """Start running the assertions (always-on, as the CLI does); returns the Runner
-    (close() it, or use it as a context manager)."""
-    return Runner(on_violation=on_violation).start()
+def _refresh_runners() -> None:
+    for runner in list(_RUNNERS):
+        runner._refresh()
 
 
-class AlwaysOn:
-    """What the CLI runs: the graph capture (always) and a Runner (when assertions are
-    wanted). `close()` closes both (idempotent)."""
-
-    def __init__(self, assertions: bool = True):
-        from ..graph import Capture
-        self.capture = Capture().start()
-        self.runner = None
-        try:
-            if assertions:
-                self.runner = Runner(source=self.capture).start()
-        except BaseException:
-            self.capture.close()
-            raise
-
-    def close(self) -> None:
-        try:
-            if self.runner is not None:
-                self.runner.close()
-        finally:
-            self.capture.close()
+_registry.on_register(_refresh_runners)   # a (de)registration reaches the running runners
