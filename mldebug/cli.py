@@ -24,6 +24,11 @@ from .core import break_on as _break_on
 from .core import records as _records
 from .core import session as _session
 
+# What a run may not need loads in the function that starts it, only when asked for:
+# the debugger (IPython) not under --batch or DAP, dap's debugpy glue, the view (bokeh)
+# only with --view, the engines after the arguments are checked, the run store for
+# `runs DIR`.
+
 EXIT_USAGE = 2
 EXIT_BATCH_STOP = 3
 EXIT_EXCEPTION = 1

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 
+from ..summaries import budgeted as _v
 from ..summaries import slicing as _slicing
 from ..core import session as _session
 from ..core.quiet import watch_suspended
@@ -85,7 +86,6 @@ def stop_json() -> str:
 @_safe
 def frame_json(namespace: dict, limit: int = 50) -> str:
     """Every tensor/array of NAMESPACE (and one level inside containers), summarised."""
-    from ..summaries import budgeted as _v
     if not isinstance(namespace, dict):
         return _error(f"frame_json expects a dict such as locals(), got {type(namespace).__name__}")
     limit = max(0, int(limit))
@@ -143,7 +143,6 @@ def tensor_json(value, name: str = "", dims=None, index=None, grad: bool = False
     A 1-D tensor is one row (dims [null, 0]); a 0-d tensor one cell (dims [null, null]).
     """
     import numpy as np
-    from ..summaries import budgeted as _v
 
     try:
         s = _slicing.slice_plane(value, name, dims, index, grad, max_side)

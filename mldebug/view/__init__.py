@@ -28,7 +28,10 @@ from typing import Optional
 
 from ..core import session as _session
 from ..core.callable_module import make_callable
+from . import data as _data
 from . import state as _state
+from .prompt import prompt_loop as _prompt_loop
+from .server import ViewServer, parse_port
 
 __all__ = ["view", "start", "inspect", "running", "close", "url"]
 
@@ -49,8 +52,6 @@ def _start(port=None, out=None):
     """(url, started_now). Raises ValueError for a bad port, server.ViewError when the
     server cannot start."""
     global _server
-    from .server import ViewServer, parse_port
-
     with _lock:
         if _server is not None:
             return _server.url, False
@@ -72,7 +73,6 @@ def start(port=None, runs=None) -> str:
     those listed (also when the view already runs); the running `mldebug.record`'s
     run_dir is always listed."""
     if runs is not None:
-        from . import data as _data
         _data.add_run_dirs(runs)
     address, started = _start(port)
     if started:
@@ -152,8 +152,7 @@ def do_view(debugger, arg: str) -> bool:
 
 def prompt_loop(debugger, intro=None):
     """The prompt's loop while a view runs (see prompt.py)."""
-    from .prompt import prompt_loop as _loop
-    return _loop(debugger, intro)
+    return _prompt_loop(debugger, intro)
 
 
 def _call_argument(frame) -> str:

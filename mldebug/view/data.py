@@ -10,7 +10,12 @@ import sys
 import threading
 from typing import Optional
 
+from .. import graph as _graph
+from ..assertions import registry as _registry
+from ..assertions.runner import active_runner
+from ..summaries import budgeted as _v
 from ..summaries import slicing as _slicing
+from ..summaries import summary
 from ..core import session as _session
 
 MAX_SIDE = 400          # heatmap cells per side: about the plot's size in pixels
@@ -62,7 +67,6 @@ def tensor_view(value, name: str, dims=None, index=None, max_side: int = MAX_SID
 
 def header(value) -> str:
     """The one line without the stats pass (shape, dtype, device)."""
-    from ..summaries import budgeted as _v
     try:
         return str(_v.header(value)).replace(_v.PENDING_NOTE, "").strip()
     except Exception:  # noqa: BLE001
@@ -71,8 +75,6 @@ def header(value) -> str:
 
 def stats_html(value, title: str) -> str:
     """The stats table of VALUE (its full TensorSummary), as HTML."""
-    from ..summaries import summary
-
     d = summary(value).to_dict()
     rows = []
     for key, label in STATS_FIELDS:
@@ -116,10 +118,6 @@ def banner_html(snapshot: dict) -> str:
 
 # -- graph ---------------------------------------------------------------------------------
 def current_graph():
-    try:
-        from .. import graph as _graph
-    except Exception:  # noqa: BLE001 - no torch: no graph
-        return None
     graph = _graph.last_graph()
     if graph is None:
         return None
@@ -208,11 +206,6 @@ def node_entry_args(graph, node_id: str) -> Optional[dict]:
 
 # -- assertions ----------------------------------------------------------------------------
 def assertions_html() -> str:
-    try:
-        from ..assertions import registry as _registry
-        from ..assertions.runner import active_runner
-    except Exception as exc:  # noqa: BLE001
-        return f"<i>assertions unavailable: {html.escape(str(exc))}</i>"
     items = "".join(f"<li>{html.escape(a.describe())}</li>" for a in _registry.assertions())
     runner = active_runner()
     if runner is None:

@@ -105,6 +105,8 @@ class ViewServer:
     def _serve(self, sockets) -> None:
         try:
             asyncio.set_event_loop(asyncio.new_event_loop())
+            # bokeh and tornado (and the app built on them) load when a view starts,
+            # not when mldebug does
             from bokeh.application import Application
             from bokeh.application.handlers.function import FunctionHandler
             from bokeh.server.server import BaseServer
