@@ -56,6 +56,14 @@ class DapPauser:
         self.session = session
         self.current = None          # the Stop being shown, for the panel
         self.pauses = 0
+        # the client hears of every stop (its panel's banner), as the report and the view
+        # do: a session listener, also for stops no one pauses for
+        session.add_listener(self._tell_client)
+
+    @staticmethod
+    def _tell_client(stop) -> None:
+        if client_connected():
+            send_event("mldebug.stop", {"stop": stop.to_dict()})
 
     def __call__(self, stop, frame: Optional[FrameType]) -> None:
         if frame is None:
@@ -67,11 +75,10 @@ class DapPauser:
         exc_type = _exception_type(stop.reason)
         exc = exc_type(stop.message)
         exc.stop = stop
-        exc.violation = self.session.last_violation
+        exc.violation = stop.violation
         tb = traceback_to(frame)
         self.current = stop
         self.pauses += 1
-        send_event("mldebug.stop", {"stop": stop.to_dict()})
         try:
             with watch_suspended():
                 import debugpy
