@@ -14,7 +14,7 @@ def module_names(root) -> dict:
         names = {}
         try:
             for name, module in root.named_modules(remove_duplicate=False):
-                names.setdefault(id(module), name)
+                names.setdefault(id(module), _without_compile_wrapper(name))
         except Exception:  # noqa: BLE001 - a module whose named_modules() fails: no names
             pass
         try:
@@ -22,3 +22,11 @@ def module_names(root) -> dict:
         except TypeError:  # a root that cannot be weakly referenced: not cached
             pass
     return names
+
+
+def _without_compile_wrapper(name: str) -> str:
+    """The user's path of a module inside `torch.compile(module)`'s OptimizedModule:
+    '_orig_mod.fc' is 'fc', '_orig_mod' is the root ''."""
+    if "_orig_mod" not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")

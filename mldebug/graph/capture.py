@@ -9,6 +9,8 @@ from typing import Optional
 import torch.nn.modules.module as _module_hooks
 
 from ..core import replay as _replay
+from ..core.compile import compiling as _compiling
+from ..core.compile import silence_global_hook_warning
 from .building import TRACING, _exception_now, _Recorder, attach_graph
 from .model import Graph
 
@@ -43,6 +45,7 @@ class Capture:
         if self._started:
             return self
         self._owner = _get_ident()
+        silence_global_hook_warning()
         self._handles = [_module_hooks.register_module_forward_pre_hook(self._pre)]
         try:
             self._handles.append(_module_hooks.register_module_forward_hook(
@@ -78,7 +81,7 @@ class Capture:
         return self._started
 
     def _pre(self, module, args):
-        if TRACING[0] or _replay._depth or _get_ident() != self._owner:
+        if _compiling() or TRACING[0] or _replay._depth or _get_ident() != self._owner:
             return None
         rec = self._rec
         try:
@@ -113,7 +116,7 @@ class Capture:
                           f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=3)
 
     def _post(self, module, args, output):
-        if TRACING[0] or _replay._depth or _get_ident() != self._owner:
+        if _compiling() or TRACING[0] or _replay._depth or _get_ident() != self._owner:
             return None
         rec = self._rec
         if rec is None:

@@ -28,6 +28,8 @@ from ..core import autograd_patch as _autograd_patch
 from ..core import frames as _frames
 from ..core import quiet as _quiet
 from ..core.break_on import parse_break_on
+from ..core.compile import compiling as _compiling
+from ..core.compile import silence_global_hook_warning
 from ..core.errors import UsageError
 from . import backward_tier as _backward_tier
 from . import dispatch as _dispatch
@@ -147,6 +149,7 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, ModuleTier, BackwardTier):
             # tiers' were not marked then either)
             _skip_dynamo((_Mode, Watch, PerOpCheck, Verdict, DeviceWindow))
             _DYNAMO_MARKED = True
+        silence_global_hook_warning()
         self._mode = _Mode(self)
         self._mode.__enter__()
         try:
@@ -267,7 +270,7 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, ModuleTier, BackwardTier):
 
     # -- hooks -----------------------------------------------------------------------
     def _module_pre(self, module, args):
-        if self._skip or _get_ident() != self._owner:
+        if _compiling() or self._skip or _get_ident() != self._owner:
             return None
         if self._stash:
             self._deliver_stash()
@@ -308,7 +311,7 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, ModuleTier, BackwardTier):
                       "inside by re-running the call", RuntimeWarning, stacklevel=4)
 
     def _module_post(self, module, args, output):
-        if self._skip or _get_ident() != self._owner:
+        if _compiling() or self._skip or _get_ident() != self._owner:
             return None
         top = self._top
         t = self._t

@@ -1,0 +1,105 @@
+"""torch.compile under mldebug, driven through the CLI as a user runs it: a clean run is
+untouched (same weights bit for bit, no graph break or extra graph, none of dynamo's
+warnings about our hooks), and a NaN made inside a compiled module is pinned at the
+user's line with its op."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import clean_env, marker_line, read_report, run_cli
+
+TRAIN = """
+    import sys
+    import torch
+    from torch import nn
+    import torch._dynamo.utils as dynamo_utils
+
+
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+        def forward(self, x):
+            return self.body(x).tanh()
+
+
+    form = sys.argv[1]
+    torch.manual_seed(0)
+    model = Net()
+    if form == "torch.compile(model)":
+        run = torch.compile(model)
+    else:
+        model.compile()
+        run = model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    for step in range(4):
+        loss = ((run(x) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    counters = dynamo_utils.counters
+    print("weights", [p.detach().double().sum().item().hex() for p in model.parameters()])
+    print("graph breaks", sum(counters["graph_break"].values()))
+    print("graphs", counters["stats"]["unique_graphs"])
+"""
+
+NAN_INSIDE = """
+    import torch
+    from torch import nn
+
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return torch.log(h - 100.0)  # here
+
+
+    torch.manual_seed(0)
+    model = torch.compile(Net())
+    out = model(torch.randn(4, 8))
+    print("finished", out.sum().item())
+"""
+
+
+@pytest.mark.parametrize("form", ["torch.compile(model)", "model.compile()"])
+def test_a_compiled_model_trains_as_without_mldebug(write_program, tmp_path, form):
+    prog = write_program(TRAIN)
+    plain = subprocess.run([sys.executable, str(prog), form], capture_output=True,
+                           text=True, env=clean_env(), timeout=300)
+    assert plain.returncode == 0, plain.stderr
+    report = tmp_path / "r.jsonl"
+    result = run_cli(["--batch", "--report", str(report), str(prog), form], timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert read_report(report) == []                        # no false stop
+    # the same weights bit for bit, and dynamo compiled the same graphs with no break
+    assert result.stdout == plain.stdout
+    assert "graph breaks 0" in result.stdout and "graphs 1" in result.stdout
+    err = result.stderr
+    assert "Traceback" not in err
+    assert "Dynamo does not know how to trace" not in err    # nothing of ours traced
+    assert "global hooks on modules" not in err              # torch's note on our hooks
+    if form == "torch.compile(model)":                     # the one line that stays
+        assert "Net runs under torch.compile" in err
+
+
+def test_a_nan_inside_a_compiled_module_stops_at_the_users_line(write_program, tmp_path):
+    prog = write_program(NAN_INSIDE)
+    report = tmp_path / "r.jsonl"
+    result = run_cli(["--batch", "--report", str(report), str(prog)], timeout=300)
+    assert result.returncode == 3, result.stderr
+    (stop,) = read_report(report)
+    assert (stop["reason"], stop["stage"], stop["op"]) == ("nan", "forward", "aten.log.default")
+    assert (stop["file"], stop["line"], stop["function"]) == (str(prog), marker_line(prog),
+                                                              "forward")
+    assert stop["module"] == ""              # the compiled root, not torch's `_orig_mod`
+    assert "finished" not in result.stdout
