@@ -1,6 +1,7 @@
 """torch.compile under mldebug, driven through the CLI as a user runs it: a clean run is
 untouched (same weights bit for bit, no graph break or extra graph, none of dynamo's
-warnings about our hooks), and a NaN made inside a compiled module is pinned at the
+warnings about our hooks; a compiled function is compiled, not run eagerly under the
+watch's dispatch mode), and a NaN made inside a compiled module is pinned at the
 user's line with its op."""
 from __future__ import annotations
 
@@ -33,9 +34,11 @@ TRAIN = """
     model = Net()
     if form == "torch.compile(model)":
         run = torch.compile(model)
-    else:
+    elif form == "model.compile()":
         model.compile()
         run = model
+    else:                                         # a compiled function around the model
+        run = torch.compile(lambda x: torch.tanh(model(x)) * 0.5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(32, 8), torch.randn(32, 1)
     for step in range(4):
@@ -46,7 +49,8 @@ TRAIN = """
     counters = dynamo_utils.counters
     print("weights", [p.detach().double().sum().item().hex() for p in model.parameters()])
     print("graph breaks", sum(counters["graph_break"].values()))
-    print("graphs", counters["stats"]["unique_graphs"])
+    print("graphs", counters["stats"]["unique_graphs"],
+          "ops captured", counters["stats"]["calls_captured"])
 """
 
 NAN_INSIDE = """
@@ -71,7 +75,8 @@ NAN_INSIDE = """
 """
 
 
-@pytest.mark.parametrize("form", ["torch.compile(model)", "model.compile()"])
+@pytest.mark.parametrize("form", ["torch.compile(model)", "model.compile()",
+                                  "torch.compile(function)"])
 def test_a_compiled_model_trains_as_without_mldebug(write_program, tmp_path, form):
     prog = write_program(TRAIN)
     plain = subprocess.run([sys.executable, str(prog), form], capture_output=True,

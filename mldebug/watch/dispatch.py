@@ -63,6 +63,14 @@ class _Mode(TorchDispatchMode):
         self.infos = watch._infos
 
     @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch.compile compiles under the watch: dynamo turns the mode off while it
+        # compiles and on again around the compiled code, which the watch checks at its
+        # boundary. (False, torch's default, makes dynamo fall back to eager under any
+        # mode: a compiled function would compute other bits than without mldebug.)
+        return True
+
+    @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # torch would wrap __torch_dispatch__ in torch._dynamo.disable: two Python
         # layers per op (~2 us). `_skip_dynamo()` marks the code objects instead.
