@@ -108,3 +108,42 @@ def test_a_nan_inside_a_compiled_module_stops_at_the_users_line(write_program, t
                                                               "forward")
     assert stop["module"] == ""              # the compiled root, not torch's `_orig_mod`
     assert "finished" not in result.stdout
+
+
+NAN_IN_FUNCTION = """
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+
+
+    @torch.compile
+    def step(x):
+        return torch.log(model(x) - 100.0).sum()
+
+
+    x = torch.randn(4, 8)
+    loss = step(x)  # here
+    loss.backward()
+    print("finished", loss.item())
+"""
+
+
+def test_a_nan_made_inside_a_compiled_function_stops_where_it_is_called(write_program,
+                                                                        tmp_path):
+    prog = write_program(NAN_IN_FUNCTION)
+    report = tmp_path / "r.jsonl"
+    result = run_cli(["--batch", "--report", str(report), str(prog)], timeout=300)
+    assert result.returncode == 3, result.stderr
+    (stop,) = read_report(report)
+    assert (stop["reason"], stop["stage"], stop["created"]) == ("nan", "forward", True)
+    assert (stop["file"], stop["line"]) == (str(prog), marker_line(prog))
+    assert "1 NaN in step() at prog.py" in stop["message"]
+    assert "finished" not in result.stdout
+    # at the prompt, `why` says where it was made and how to pin the op; `c` goes on
+    result = run_cli([str(prog)], stdin="why\nc\n", timeout=300)
+    assert f"> {prog}({marker_line(prog)})<module>()" in result.stdout
+    assert "made inside the compiled function step" in result.stdout
+    assert "TORCH_COMPILE_DISABLE=1" in result.stdout
+    assert "finished nan" in result.stdout

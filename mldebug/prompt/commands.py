@@ -88,8 +88,10 @@ class MLCommandSet:
                        "or exception so far)")
             return
         self.message(violation.headline())
-        if violation.created:
+        if violation.created and violation.op:
             self.message("  root cause: this op made the non-finite value from finite inputs")
+        elif violation.created:       # seen after the fact (a compiled call, a sentinel)
+            self.message(f"  root cause: {violation.text or 'made from finite inputs'}")
         else:
             self.message(f"  it came in through {violation.culprit or 'an input'}: "
                          "made before the watched ops (data, a checkpoint, a constant)")

@@ -32,12 +32,14 @@ from ..core.compile import compiling as _compiling
 from ..core.compile import silence_global_hook_warning
 from ..core.errors import UsageError
 from . import backward_tier as _backward_tier
+from . import compiled as _compiled
 from . import dispatch as _dispatch
 from . import module_tier as _module_tier
 from . import safe as _safe
 from . import tiers as _tiers
 from .amp import LossScaling
 from .backward_tier import BackwardTier
+from .compiled import CompiledBoundary
 from .checks import _ALLOWED, METADATA_KEY, _caller, _counts
 from .context import ModuleNames
 from .device_window import DeviceWindow
@@ -86,7 +88,7 @@ def active_watch():
     return _ACTIVE
 
 
-class Watch(PerOpCheck, Verdict, DeviceWindow, ModuleTier, BackwardTier):
+class Watch(PerOpCheck, Verdict, DeviceWindow, ModuleTier, BackwardTier, CompiledBoundary):
     """A running numerics watch. Use as a context manager or call `close()`.
 
     `enabled` is True while it checks ops (started, not suspended, not in a worker
@@ -150,6 +152,7 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, ModuleTier, BackwardTier):
             _skip_dynamo((_Mode, Watch, PerOpCheck, Verdict, DeviceWindow))
             _DYNAMO_MARKED = True
         silence_global_hook_warning()
+        _compiled.install(active_watch)     # what torch.compile returns for a function
         self._mode = _Mode(self)
         self._mode.__enter__()
         try:
@@ -192,6 +195,7 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, ModuleTier, BackwardTier):
                 handle.remove()
             self._handles = []
             _autograd_patch.remove(self._around_backward)
+            _compiled.uninstall()
             self._amp.stop()
             self._close_mode()
             self._t = TierState()
