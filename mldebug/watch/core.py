@@ -359,7 +359,32 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, ModuleTier, BackwardTier, Compile
             # the step without the per-op check; parameters and state checked after it
             # (a step with a closure runs the model inside: it keeps the exact check)
             t.opt_popped = _tiers.pop_if_top(self._mode)
-        return None
+        return self._closure_outside_step(args, kwargs)
+
+    def _closure_outside_step(self, args, kwargs):
+        """`optimizer.step(closure)` (LBFGS, Lightning's automatic optimization) runs the
+        forward and backward inside the step: the closure runs with the step's stage
+        lifted, so its ops are forward and backward, and only the update is optimizer.
+        Returns the step's (args, kwargs) with the closure wrapped, or None (no closure)."""
+        kwargs = kwargs or {}
+        closure = kwargs.get("closure")
+        positional = closure is None and len(args or ()) > 1 and callable(args[1])
+        if positional:
+            closure = args[1]          # (args[0] is the optimizer itself)
+        if closure is None or not callable(closure):
+            return None
+        watch = self
+
+        def closure_outside_the_step(*a, **k):
+            depth, watch._opt_depth = watch._opt_depth, 0
+            try:
+                return closure(*a, **k)
+            finally:
+                watch._opt_depth = depth
+
+        if positional:
+            return (args[0], closure_outside_the_step, *args[2:]), kwargs
+        return args, {**kwargs, "closure": closure_outside_the_step}
 
     def _optimizer_post(self, optimizer, args, kwargs):
         if self._skip or _get_ident() != self._owner:

@@ -1,0 +1,101 @@
+"""Training loops that run the model inside the optimizer step (a closure: LBFGS,
+Lightning's automatic optimization), through the CLI as a user runs them: a clean run
+computes the same bits as without mldebug, and a NaN/Inf in the closure's forward is a
+*forward* stop at the user's line, not an optimizer one."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import clean_env, marker_line, read_report, run_cli
+
+LBFGS = """
+    import sys
+    import torch
+    from torch import nn
+
+    bug = len(sys.argv) > 1
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    for step in range(3):
+        def closure():
+            opt.zero_grad()
+            out = model(x)
+            if bug and step == 2:
+                out = out / torch.zeros_like(out)  # here
+            loss = ((out - y) ** 2).mean()
+            loss.backward()
+            return loss
+        opt.step(closure)
+    print("weights", [p.detach().double().sum().item().hex() for p in model.parameters()])
+"""
+
+LIGHTNING = """
+    import sys
+    import torch
+    from torch import nn
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    bug = len(sys.argv) > 1
+
+
+    class Model(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            out = self.net(x)
+            if bug and self.global_step == 2:
+                out = out / torch.zeros_like(out)  # here
+            return ((out - y) ** 2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    model = Model()
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(model, DataLoader(data, batch_size=16))
+    print("weights", [p.detach().double().sum().item().hex() for p in model.parameters()])
+"""
+
+
+def _plain(prog) -> str:
+    result = subprocess.run([sys.executable, str(prog)], capture_output=True, text=True,
+                            env=clean_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def _clean_and_planted(prog, tmp_path, function):
+    plain = _plain(prog)
+    report = tmp_path / "clean.jsonl"
+    clean = run_cli(["--batch", "--report", str(report), str(prog)], timeout=300)
+    assert clean.returncode == 0, clean.stderr
+    assert read_report(report) == []
+    assert clean.stdout.splitlines()[-1] == plain.splitlines()[-1]   # the same bits
+    report = tmp_path / "bug.jsonl"
+    buggy = run_cli(["--batch", "--report", str(report), str(prog), "bug"], timeout=300)
+    assert buggy.returncode == 3, buggy.stderr
+    (stop,) = read_report(report)
+    assert (stop["reason"], stop["stage"], stop["op"]) == ("inf", "forward", "aten.div.Tensor")
+    assert (stop["file"], stop["line"], stop["function"]) == (str(prog), marker_line(prog),
+                                                              function)
+    assert "weights" not in buggy.stdout
+
+
+def test_an_lbfgs_closure_runs_forward_and_backward_not_optimizer(write_program, tmp_path):
+    _clean_and_planted(write_program(LBFGS), tmp_path, "closure")
+
+
+def test_lightning_training_step_inside_the_optimizer_closure(write_program, tmp_path):
+    _clean_and_planted(write_program(LIGHTNING), tmp_path, "training_step")
