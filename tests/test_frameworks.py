@@ -1,7 +1,8 @@
-"""Training loops that run the model inside the optimizer step (a closure: LBFGS,
-Lightning's automatic optimization), through the CLI as a user runs them: a clean run
-computes the same bits as without mldebug, and a NaN/Inf in the closure's forward is a
-*forward* stop at the user's line, not an optimizer one."""
+"""Framework training loops through the CLI as a user runs them: the model run inside the
+optimizer step (a closure: LBFGS, Lightning's automatic optimization) and Hugging Face's
+Trainer (a tiny GPT-2 from a config). A clean run computes the same bits as without
+mldebug and stops nowhere; a planted Inf in the user's code is a *forward* stop at the
+user's line (not an optimizer one, not inside the framework)."""
 from __future__ import annotations
 
 import subprocess
@@ -69,6 +70,47 @@ LIGHTNING = """
 """
 
 
+HF_TRAINER = """
+    import sys
+    import torch
+    from torch.utils.data import Dataset
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    bug = len(sys.argv) > 1
+
+
+    class Tokens(Dataset):
+        def __init__(self):
+            g = torch.Generator().manual_seed(0)
+            self.ids = torch.randint(0, 64, (16, 12), generator=g)
+
+        def __len__(self):
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+    class MyTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+            out = model(**inputs)
+            loss = out.loss
+            if bug and self.state.global_step == 1:
+                loss = loss / torch.zeros_like(loss)  # here
+            return (loss, out) if return_outputs else loss
+
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    model = GPT2LMHeadModel(config)
+    args = TrainingArguments(output_dir=sys.argv[0] + ".out", per_device_train_batch_size=4,
+                             max_steps=3, report_to=[], save_strategy="no", logging_strategy="no",
+                             disable_tqdm=True, use_cpu=True, seed=0, data_seed=0)
+    MyTrainer(model=model, args=args, train_dataset=Tokens()).train()
+    print("weights", sum(p.detach().double().sum().item() for p in model.parameters()).hex())
+"""
+
+
 def _plain(prog) -> str:
     result = subprocess.run([sys.executable, str(prog)], capture_output=True, text=True,
                             env=clean_env(), timeout=300)
@@ -99,3 +141,7 @@ def test_an_lbfgs_closure_runs_forward_and_backward_not_optimizer(write_program,
 
 def test_lightning_training_step_inside_the_optimizer_closure(write_program, tmp_path):
     _clean_and_planted(write_program(LIGHTNING), tmp_path, "training_step")
+
+
+def test_hugging_face_trainer_with_a_custom_compute_loss(write_program, tmp_path):
+    _clean_and_planted(write_program(HF_TRAINER), tmp_path, "compute_loss")
