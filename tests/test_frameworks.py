@@ -111,6 +111,42 @@ HF_TRAINER = """
 """
 
 
+CHECKPOINTED_BF16 = """
+    import sys
+    import torch
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    bug = len(sys.argv) > 1
+    torch.manual_seed(0)
+
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.fc(x)
+            if bug:
+                h = torch.log(h - 100.0)  # here
+            return h.relu()
+
+
+    blocks = nn.ModuleList([Block() for _ in range(3)])
+    opt = torch.optim.SGD(blocks.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = x
+        for b in blocks:
+            h = checkpoint(b, h, use_reentrant=False)
+        loss = h.float().pow(2).mean()
+    loss.backward()
+    opt.step()
+    print("weights", [p.detach().double().sum().item().hex() for p in blocks.parameters()])
+"""
+
+
 def _plain(prog) -> str:
     result = subprocess.run([sys.executable, str(prog)], capture_output=True, text=True,
                             env=clean_env(), timeout=300)
@@ -145,3 +181,22 @@ def test_lightning_training_step_inside_the_optimizer_closure(write_program, tmp
 
 def test_hugging_face_trainer_with_a_custom_compute_loss(write_program, tmp_path):
     _clean_and_planted(write_program(HF_TRAINER), tmp_path, "compute_loss")
+
+
+def test_gradient_checkpointing_under_bf16_autocast(write_program, tmp_path):
+    prog = write_program(CHECKPOINTED_BF16)
+    plain = _plain(prog)
+    clean = run_cli(["--batch", str(prog)], timeout=300)
+    assert clean.returncode == 0, clean.stderr
+    assert clean.stdout.splitlines()[-1] == plain.splitlines()[-1]     # the same bits
+    report = tmp_path / "r.jsonl"
+    result = run_cli(["--report", str(report), str(prog), "bug"], stdin="c\n" * 8,
+                     timeout=300)
+    first = read_report(report)[0]
+    assert (first["reason"], first["stage"], first["op"]) == ("nan", "forward",
+                                                              "aten.log.default")
+    assert (first["file"], first["line"]) == (str(prog), marker_line(prog))
+    # the watch's re-run that pinned the op saved nothing into the checkpoint's count:
+    # after `c`, the backward recomputes the blocks as it would without mldebug
+    assert "CheckpointError" not in result.stdout + result.stderr
+    assert "weights" in result.stdout

@@ -141,6 +141,20 @@ def autocast_state():
     return tuple(state)
 
 
+def _identity(t):
+    return t
+
+
+def _own_saved_tensors():
+    """What the re-run saves for backward stays its own: identity saved-tensor hooks on
+    top of the stack hide it from the program's (torch.utils.checkpoint counts the
+    tensors its forward saves, and fails the recomputation when a re-run added some)."""
+    try:
+        return torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
+    except Exception:  # noqa: BLE001 - hooks disabled here (functorch): nothing to hide
+        return contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def replay_context(call_rng, autocast, module):
     """RNG as it was at the call's start, the call's autocast, the rest of mldebug deaf to
@@ -164,6 +178,7 @@ def replay_context(call_rng, autocast, module):
             torch.cuda.set_rng_state_all(cuda_rng)
         with contextlib.ExitStack() as stack:
             stack.enter_context(_replay.replaying())
+            stack.enter_context(_own_saved_tensors())
             for device, dtype in autocast:
                 stack.enter_context(torch.autocast(device, dtype=dtype))
             yield
