@@ -464,8 +464,8 @@ def _post_mortem(exc: BaseException, session: _session.Session, debugger) -> int
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `mldebug` and `python -m mldebug`; never returns."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["runs"]:  # python -m mldebug runs DIR (mldebug/record/store.py)
-        from .record.store import runs_main
+    if argv[:1] == ["runs"]:  # python -m mldebug runs DIR (mldebug/record/runs_command.py)
+        from .record.runs_command import runs_main
         sys.exit(runs_main(argv[1:]))
     parser = build_parser()
     own, program_args = split_argv(argv)

@@ -40,6 +40,7 @@ from ..core.records import Violation
 from ..core.session import current
 from ..core.structs import tensors_in
 from ..graph import Capture, active_capture
+from ..summaries.norms import l2_norms
 from . import registry as _registry
 from .base import (BACKWARD, BEFORE_BACKWARD, BEFORE_STEP, FORWARD, OPTIMIZER, STOP_STAGE,
                    FunctionAssertion, ParamAssertion, TensorAssertion, TensorNodeAssertion)
@@ -547,22 +548,12 @@ class Runner:
 
 
 def _grad_norms(params) -> dict:
-    """id(grad) -> float norm of every floating gradient: one `_foreach_norm` and one
-    transfer per (device, dtype) group instead of one sync per parameter."""
-    groups = {}
-    for _, p in params:
-        g = p.grad
-        if g is not None and g.is_floating_point() and g.layout == torch.strided:
-            groups.setdefault((g.device, g.dtype), []).append(g)
-    out = {}
-    with torch.no_grad():
-        for grads in groups.values():
-            try:
-                values = torch.stack(torch._foreach_norm(grads)).float().tolist()
-            except Exception:  # noqa: BLE001 - fall back to one norm each
-                values = [float(torch.linalg.vector_norm(g.float())) for g in grads]
-            out.update(zip(map(id, grads), values))
-    return out
+    """id(grad) -> float norm of every floating gradient (summaries.norms: one foreach
+    norm and one transfer per (device, dtype) group instead of one sync per parameter)."""
+    grads = [p.grad for _, p in params]
+    grads = [g for g in grads
+             if g is not None and g.is_floating_point() and g.layout == torch.strided]
+    return dict(zip(map(id, grads), l2_norms(grads)))
 
 
 class _Quiet:

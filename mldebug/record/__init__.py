@@ -64,12 +64,10 @@ Store and safety
 """
 from __future__ import annotations
 
-import inspect as _inspect
 import os as _os
-import sys as _sys
 import tempfile as _tempfile
-import types as _types
 
+from ..core.callable_module import make_callable
 from . import recorder as _recorder
 from .recorder import LOGS, WHAT, Capture, Recorder, active_recorder  # noqa: F401
 from .store import Run, list_runs, open_run  # noqa: F401
@@ -127,16 +125,8 @@ def log_note(text: str) -> None:
         rec.log_note(text)
 
 
-class _CallableModule(_types.ModuleType):
-    """`mldebug.record` is both this package and the function that starts a recording
-    (as `mldebug.watch`): `mldebug.record(model, ...)` and `mldebug.record.open_run(...)`
-    both work, in any import order."""
-
-    def __call__(self, *args, **kwargs):
-        return _record(*args, **kwargs)
-
-
-_sys.modules[__name__].__class__ = _CallableModule
-__signature__ = _inspect.signature(_record)
+# `mldebug.record` is both this package and the function that starts a recording (as
+# `mldebug.watch`): `mldebug.record(model, ...)` and `mldebug.record.open_run(...)` both
+# work, in any import order
 __doc_record__ = _record.__doc__
-record = _sys.modules[__name__]
+record = make_callable(__name__, _record)

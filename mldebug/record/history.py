@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import math
-import sys
 import time
 import weakref
 from typing import Optional
@@ -23,7 +22,10 @@ from typing import Optional
 import torch
 from torch.optim import optimizer as _optim_hooks
 
-from .recorder import _Quiet
+from ..core.quiet import own_work
+from ..graph import active_capture, last_graph
+from ..summaries.norms import l2_norms
+
 
 STEPS = 20
 BUDGET = 0.01
@@ -135,15 +137,8 @@ class History:
         k = self._opt_ids.setdefault(optimizer, len(self._opt_ids))
         with_grad = [i for i, p in enumerate(params) if p.grad is not None
                      and p.grad.layout == torch.strided]
-        with _Quiet():
-            norms = list(torch._foreach_norm([p.detach() for p in params]))
-            if with_grad:
-                norms += list(torch._foreach_norm([params[i].grad.detach() for i in with_grad]))
-            devices = {n.device for n in norms}
-            if len(devices) == 1:
-                host = torch.stack([n.float() for n in norms]).tolist()
-            else:
-                host = [float(n) for n in norms]
+        with own_work():
+            host = l2_norms(params + [params[i].grad for i in with_grad])
         grads = dict(zip(with_grad, host[len(params):]))
         row = {}
         for i, p in enumerate(params):
@@ -244,11 +239,8 @@ def _j(v):
 
 def _root_module():
     """The outermost module of the latest forward pass with submodules (graph capture)."""
-    graph = sys.modules.get("mldebug.graph")
-    if graph is None:
-        return None
-    cap = graph.active_capture()
-    g = cap.show() if cap is not None else graph.last_graph()
+    cap = active_capture()
+    g = cap.show() if cap is not None else last_graph()
     if g is None or not g.roots:
         return None
     node = g.nodes.get(g.roots[0])

@@ -29,6 +29,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .rows import bin_rows, describe_rows
+
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fused.c")
 # -ffp-contract=off: no fused multiply-adds, so the histogram's range and bins round as
 # numpy's do (`stats._histograms`), bin for bin
@@ -168,7 +170,6 @@ def _library(rebuild: bool = False) -> str:
 def _check(k: Kernel) -> str:
     """'' when the kernel agrees with numpy (`stats.describe_rows`, `stats.bin_rows`) on a
     small tensor of each dtype: row, summary, norms and histogram; else what disagrees."""
-    from .stats import bin_rows, describe_rows
     rng = np.random.default_rng(0)
     for dtype, np_dtype in ((torch.float32, np.float32), (torch.float64, np.float64)):
         a = (rng.standard_normal(1000) * 3).astype(np_dtype)     # 10 samples of 100

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .native import OUT_WIDTH, Kernel
+from .rows import describe_rows, sample_of
 from .tensorbatch import nonfinite_row, per_sample_norms, sample_index
 
 # the kernel's row (native.OUT_WIDTH slots, then the counts): stats.ROW, the summary
@@ -133,7 +134,6 @@ class NativeBatch:
     def _recount(self, j: int, i: int, x: torch.Tensor) -> None:
         """Native row J (step row I) had NaN/Inf or overflowed: exact counts, and its
         sample binned at the end of the step with the finite values' range."""
-        from .stats import sample_of
         x = x.detach().reshape(-1)
         self.recounts[j] = nonfinite_row(x)
         if self.size:
@@ -156,7 +156,6 @@ class NativeBatch:
         norms.update(self.norms)
         recounts = self.recounts
         if recounts:          # their exact rows, and summaries from those
-            from .stats import describe_rows
             j = np.fromiter(recounts, np.int64, len(recounts))
             wide[j, :_NROW] = np.array(list(recounts.values()))
             wide[j, _SUMMARY] = describe_rows(wide[j, :_NROW])

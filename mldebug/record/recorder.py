@@ -2,10 +2,7 @@
 SQLite transaction per recorded step. See `mldebug/record/__init__.py` for the API."""
 from __future__ import annotations
 
-import dataclasses
-import fnmatch
 import os
-import sys
 import threading
 import time
 import warnings
@@ -19,116 +16,19 @@ from torch.optim import optimizer as _optim_hooks
 
 from ..core import replay as _replay
 from ..core.errors import UsageError
-from ..core.modnames import module_names
+from ..core.quiet import own_work
 from ..core.structs import tensors_in
 from . import stats as _stats
+from .capture_hooks import CaptureHooks
+from .capture_spec import REDUCTIONS, WHAT, Capture, _select  # noqa: F401 - record's names
+from .step_writing import StepWriting, _scalar_rows
 from .store import SCALAR_FLUSH_S, Writer, check_run_name, run_path
 
 LOGS = ("io", "io_grad", "params", "params_grad")
 # capture points: torchfunc's ForwardPre, ForwardInput, ForwardOutput, BackwardInput,
 # BackwardOutput
-WHAT = ("pre_input", "input", "output", "input_grad", "output_grad")
-REDUCTIONS = ("sum", "mean", "max", "min", "first", "last")
 _ACTIVE: Optional["Recorder"] = None
-
-
-@dataclasses.dataclass
-class Capture:
-    """Full-tensor capture of chosen modules (torchfunc's recorders as one API).
-
-    modules    what to capture: a path pattern ('encoder.*'), a type, an index into
-               model.modules(), a callable (path, module) -> bool, or a list of those
-    what       'pre_input'   inputs as the forward pre-hook sees them (ForwardPre)
-               'input'       inputs when the module returns (ForwardInput)
-               'output'      outputs (ForwardOutput)
-               'input_grad'  gradient of the loss w.r.t. the inputs (BackwardInput)
-               'output_grad' gradient of the loss w.r.t. the outputs (BackwardOutput)
-    reduction  how the invocations of one step combine: None stores each invocation
-               (call 0, 1, ...); 'sum', 'mean', 'max', 'min', 'first', 'last'; or a
-               callable (accumulated, new) -> accumulated, as torchfunc's reduction
-    index      which tensor of the inputs/outputs (default 0, the first)
-    max_bytes  a tensor larger than this is skipped with one warning
-    """
-
-    modules: object
-    what: str = "output"
-    reduction: object = None
-    index: int = 0
-    max_bytes: int = 64 << 20
-
-    def __post_init__(self):
-        if self.what not in WHAT:
-            raise UsageError(f"Capture what must be one of {', '.join(WHAT)}, what={self.what!r}")
-        if not (self.reduction is None or callable(self.reduction)
-                or self.reduction in REDUCTIONS):
-            raise UsageError(f"Capture reduction must be None, a callable or one of "
-                             f"{', '.join(REDUCTIONS)}, reduction={self.reduction!r}")
-
-
-_tensors = tensors_in   # (the engine's one walk: mldebug/structs.py)
-
-
-def _select(model: nn.Module, spec, what: str) -> list:
-    """[(path, module)] chosen by SPEC among model.modules() (what='modules') or
-    model.children() (what='children'); clear errors for bad specs."""
-    names = module_names(model)
-    if what == "children":
-        pool = [(name, m) for name, m in model.named_children()]
-    else:
-        pool = [(names.get(id(m), name), m) for name, m in model.named_modules()]
-    if spec is True or spec == "all":
-        return pool
-    items = spec if isinstance(spec, (list, tuple)) and not (
-        isinstance(spec, tuple) and spec and all(isinstance(s, type) for s in spec)) else [spec]
-    chosen: dict = {}
-    for item in items:
-        found = []
-        if isinstance(item, bool):
-            raise UsageError(f"{what}= takes types, indices, path patterns or callables, "
-                             f"got {item!r}")
-        if isinstance(item, int):
-            if not -len(pool) <= item < len(pool):
-                raise UsageError(f"{what}= index {item} is out of range: the model has "
-                                 f"{len(pool)} {'children' if what == 'children' else 'modules'}")
-            found = [pool[item]]
-        elif isinstance(item, str):
-            found = [(p, m) for p, m in pool if fnmatch.fnmatchcase(p or "(root)", item)]
-        elif isinstance(item, type) or (isinstance(item, tuple) and item):
-            found = [(p, m) for p, m in pool if isinstance(m, item)]
-        elif callable(item):
-            found = [(p, m) for p, m in pool if item(p, m)]
-        else:
-            raise UsageError(f"{what}= takes types, indices, path patterns or callables, "
-                             f"got {item!r}")
-        if not found:
-            raise UsageError(f"{what}={item!r} matched no module of {type(model).__name__}")
-        for p, m in found:
-            chosen.setdefault(id(m), (p, m))
-    return list(chosen.values())
-
-
-class _Quiet:
-    """Around the recorder's own torch work: no autograd, the NaN watch looks away."""
-
-    __slots__ = ("_w", "_grad")
-
-    def __enter__(self):
-        self._grad = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)     # (torch.set_grad_enabled builds an object)
-        self._w = None
-        core = sys.modules.get("mldebug.watch.core")
-        if core is not None:
-            w = core.active_watch()
-            if w is not None:
-                self._w = w.suspended()
-                self._w.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self._w is not None:
-            self._w.__exit__(*exc)
-        torch._C._set_grad_enabled(self._grad)
-        return False
+_tensors = tensors_in   # (the engine's one walk: mldebug/core/structs.py)
 
 
 def spare_core() -> bool:
@@ -153,7 +53,7 @@ def _close_at_exit() -> None:
 _EXIT_HOOKED = False
 
 
-class Recorder:
+class Recorder(CaptureHooks, StepWriting):
     """A running recording. Context manager; `close()` removes every hook (idempotent).
 
     Attributes: run (name), path (the .sqlite file), step_index (the step in progress),
@@ -464,7 +364,7 @@ class Recorder:
                     return None
                 call = self._calls.get(path, 0)
                 self._calls[path] = call + 1
-                with _Quiet():
+                with own_work():
                     for i, t in enumerate(_tensors(args)):
                         self._io(path, "input", i, call, t)
                     for i, t in enumerate(_tensors(output)):
@@ -515,7 +415,7 @@ class Recorder:
         if serial != self._serial or self.closed or grad is None:
             return None
         try:
-            with _Quiet(), self._lock:
+            with own_work(), self._lock:
                 row = self._batch.add(grad, self.sample, self.batch_dim)
                 for key, meta, call in targets:
                     self._entries.append((key, meta, call, row))
@@ -528,7 +428,7 @@ class Recorder:
 
     def _record_params(self) -> None:
         self._params_done = True
-        with _Quiet():
+        with own_work():
             for name, path, p in self._params:
                 if "params" in self.log and p.is_floating_point():
                     self._entries.append((f"{name}:param", (path, "param", 0, name, p.shape,
@@ -540,86 +440,6 @@ class Recorder:
                     self._entries.append((f"{name}:param_grad", (path, "param_grad", 0, name,
                                                                  g.shape, g.dtype), 0,
                                           self._batch.add(g, self.sample)))
-
-    # -- captures ------------------------------------------------------------------------
-    def _make_pre(self, path: str, cap: Capture):
-        def hook(module, args):
-            if _replay.active() or (self.training_only and not module.training):
-                return None  # (a watch's re-run of the call is not a new invocation)
-            self._capture(path, cap, module, args)
-            return None
-        return hook
-
-    def _make_cap(self, path: str, cap: Capture):
-        def hook(module, args, output):
-            if _replay.active() or (self.training_only and not module.training):
-                return None  # (a watch's re-run of the call is not a new invocation)
-            if self.condition is not None:
-                try:
-                    if not self.condition(module, args, output):
-                        return None
-                except Exception as exc:  # noqa: BLE001
-                    self._warn(f"condition at {path}", exc)
-                    return None
-            value = output if cap.what == "output" or cap.what == "output_grad" else args
-            self._capture(path, cap, module, value)
-            return None
-        return hook
-
-    def _capture(self, path: str, cap: Capture, module, value) -> None:
-        try:
-            ts = _tensors(value)
-            if cap.index >= len(ts) or cap.index < -len(ts):
-                return
-            t = ts[cap.index]
-            key = f"{path}:capture_{cap.what}[{cap.index}]"
-            ckey = (key, id(cap))
-            count = self._calls.get(ckey, 0)
-            self._calls[ckey] = count + 1
-            if cap.what.endswith("_grad"):
-                if t.requires_grad:
-                    serial = self._serial
-                    self._thooks.append(t.register_hook(
-                        lambda g: self._cap_add(serial, key, cap, count, g)))
-                return
-            self._cap_add(self._serial, key, cap, count, t)
-        except Exception as exc:  # noqa: BLE001
-            self._warn(f"capture at {path}", exc)
-
-    def _cap_add(self, serial, key, cap: Capture, count: int, t) -> None:
-        if serial != self._serial or self.closed or _replay.active():
-            return None
-        try:
-            with _Quiet(), self._lock:
-                if t.numel() * t.element_size() > cap.max_bytes:
-                    self._warn(f"capture {key} ({t.numel() * t.element_size()} bytes > "
-                               f"max_bytes={cap.max_bytes})", RuntimeError("too large"))
-                    return None
-                t = t.detach()
-                red = cap.reduction
-                if red is None:
-                    self._cap_store[(key, count)] = (cap, t.clone(), "none", 1)
-                    return None
-                prev = self._cap_store.get((key, -1))
-                if prev is None:
-                    self._cap_store[(key, -1)] = (cap, t.clone(), red if isinstance(red, str)
-                                                  else getattr(red, "__name__", "callable"), 1)
-                    return None
-                acc, n = prev[1], prev[3] + 1
-                if callable(red):
-                    acc = red(acc, t)
-                elif red in ("sum", "mean"):
-                    acc = acc + t          # mean divides at the end of the step
-                elif red == "max":
-                    acc = torch.maximum(acc, t)
-                elif red == "min":
-                    acc = torch.minimum(acc, t)
-                elif red == "last":
-                    acc = t.clone()
-                self._cap_store[(key, -1)] = (cap, acc, prev[2], n)
-        except Exception as exc:  # noqa: BLE001 - e.g. shapes that do not reduce
-            self._warn(f"capture {key}", exc)
-        return None
 
     # -- named tensors, scalars, notes ---------------------------------------------------
     def log_tensor(self, name: str, t, role: str = "") -> None:
@@ -633,7 +453,7 @@ class Recorder:
         try:
             call = self._calls.get(("tensor", name), 0)
             self._calls[("tensor", name)] = call + 1
-            with _Quiet():
+            with own_work():
                 self._entries.append((f"{name}:tensor", ("", "tensor", 0, name, t.shape,
                                                          t.dtype, role), call, self._row_of(t)))
         except Exception as exc:  # noqa: BLE001
@@ -672,121 +492,3 @@ class Recorder:
         step = self.step_index
         self._writer.submit(lambda: self._writer.write_step(step, None, _scalar_rows(scalars),
                                                             notes, [], recorded=False))
-
-    # -- the end of a recorded step --------------------------------------------------------
-    def _finish_step(self) -> None:
-        step = self.step_index
-        if not self._params_done and self.model is not None:
-            self._record_params()
-        with self._lock:
-            entries, batch, caps = self._entries, self._batch, self._cap_store
-            self._tensor_hooks_off()
-            self._reset_step()
-        with _Quiet():
-            staged = batch.stage() if entries else None   # no host transfer here
-            caps = self._stage_captures(caps)
-        scalars, self._scalars = self._scalars, []
-        notes, self._notes = self._notes, []
-        self._last_flush = time.monotonic()
-        w = self._writer
-        if (staged is None or batch.on_host(staged)) and all(
-                c[1].device.type == "cpu" for c in caps.values()):
-            # all on the host: finished here. A writer thread that did it would hold the
-            # GIL through many small numpy ops while the next step's Python waits (on a
-            # small machine that cost more than the work); the commit still goes there
-            w.flush()     # (series ids: the writer is idle while new ones are added)
-            with _Quiet():
-                packed, cap_rows = self._pack_step(step, batch, staged, entries, caps)
-            job = lambda: w.write_step(step, packed, _scalar_rows(scalars), notes, cap_rows)
-            if self._commit_here:
-                w.run(job)
-            else:
-                w.submit(job)
-            return
-        w.submit(lambda: self._write_step(step, batch, staged, entries, caps, scalars, notes))
-
-    def _write_step(self, step, batch, staged, entries, caps, scalars, notes) -> None:
-        """On the writer thread: the host transfer, histograms, packing, the commit.
-        (The watch's dispatch mode is per thread: this thread is not watched.)"""
-        with torch.no_grad():
-            packed, cap_rows = self._pack_step(step, batch, staged, entries, caps)
-        self._writer.write_step(step, packed, _scalar_rows(scalars), notes, cap_rows)
-
-    def _pack_step(self, step, batch, staged, entries, caps) -> tuple:
-        """The step's stepdata row and capture rows (host transfer, histograms, packing)."""
-        out = batch.finish_staged(staged) if staged is not None else None
-        cap_rows = self._capture_rows(step, caps)
-        if not entries:
-            return None, cap_rows
-        w = self._writer
-        series = w._series
-        sids = []
-        for key, meta, _, _ in entries:
-            sid = series.get(key)
-            if sid is None:
-                path, kind, idx, name, shape, dtype = meta[:6]
-                sid = w.series_id(key, path, kind, idx, name, meta[6] if len(meta) > 6 else "",
-                                  tuple(shape), str(dtype).replace("torch.", ""))
-            sids.append(sid)
-        return _pack(out, np.array(sids, np.int32), np.array([e[2] for e in entries], np.int32),
-                     np.array([e[3] for e in entries], np.int64),
-                     self.bins if self.sample else 0), cap_rows
-
-    def _stage_captures(self, caps: dict) -> dict:
-        """Means divided on the device before the step's tensors are handed over."""
-        return {k: (cap, t / n if red == "mean" and n else t, red, n)
-                for k, (cap, t, red, n) in caps.items()}
-
-    def _capture_rows(self, step: int, caps: dict) -> list:
-        out = []
-        for (key, call), (cap, t, red, n) in caps.items():
-            path, rest = key.split(":", 1)
-            sid = self._writer.series_id(key, path, rest.split("[")[0], cap.index, "", "",
-                                         tuple(t.shape), str(t.dtype).replace("torch.", ""))
-            arr = t.detach().cpu()
-            if arr.dtype == torch.bfloat16:
-                arr = arr.float()
-            a = np.ascontiguousarray(arr.numpy())
-            out.append((step, sid, max(call, 0), red, str(list(a.shape)), a.dtype.str,
-                        a.tobytes()))
-        return out
-
-
-def _scalar_rows(items: list) -> list:
-    """(step, name, value) rows; tensors read with one transfer per device."""
-    if not items:
-        return []
-    values = [v for _, _, v in items]
-    by_device: dict = {}
-    for i, v in enumerate(values):
-        if isinstance(v, torch.Tensor):
-            by_device.setdefault(v.device, []).append(i)
-    with torch.no_grad():   # the writer thread (or close())
-        for dev, index in by_device.items():
-            host = torch.stack([values[i].double() for i in index]).cpu().tolist()
-            for i, h in zip(index, host):
-                values[i] = h
-    return [(s, n, None if float(v) != float(v) else float(v))
-            for (s, n, _), v in zip(items, values)]
-
-
-def _pack(out: dict, sids, calls, rows, bins: int) -> tuple:
-    """The stepdata columns (after step) of a finished batch, rows picked by ROWS."""
-    norm_off = np.full((len(rows), 2), -1, np.int64)
-    chunks, o = [], 0
-    got = out["norms"]
-    if got:
-        for j, r in enumerate(rows.tolist()):
-            v = got.get(r)
-            if v is not None:
-                norm_off[j] = (o, len(v))
-                chunks.append(v)
-                o += len(v)
-    norms = np.concatenate(chunks).astype("<f4") if chunks else np.zeros(0, "<f4")
-    hist = out["hist"][rows].astype("<i4") if bins else np.zeros((len(rows), 0), "<i4")
-    ranges = np.stack([out["lo"][rows], out["hi"][rows]], 1).astype("<f8")
-    outside = np.stack([out["below"][rows], out["above"][rows]], 1).astype("<i4")
-    return (len(rows), bins, sids.astype("<i4").tobytes(), calls.astype("<i4").tobytes(),
-            out["stats"][rows].astype("<f8").tobytes(), hist.tobytes(), ranges.tobytes(),
-            outside.tobytes(), out["sample_n"][rows].astype("<i4").tobytes(),
-            norm_off.astype("<i8").tobytes(), norms.tobytes())

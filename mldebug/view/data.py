@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import html
 import os
-import sys
 import threading
 from typing import Optional
+
+import numpy as np
 
 from .. import graph as _graph
 from ..assertions import registry as _registry
 from ..assertions.runner import active_runner
+from ..record.recorder import active_recorder
+from ..record.store import list_runs, open_run
+from ..record.timeline import compare, hist_grid, timeline
 from ..summaries import budgeted as _v
 from ..summaries import slicing as _slicing
 from ..summaries import summary
@@ -32,8 +36,6 @@ def tensor_view(value, name: str, dims=None, index=None, max_side: int = MAX_SID
     """The heatmap of one slice: slice_plane's result plus the display array (float32,
     NaN / +Inf / -Inf where the cell is so; the colour mapper draws them apart) and the
     hover's index template. Raises slicing.SliceError for a bad request."""
-    import numpy as np
-
     s = _slicing.slice_plane(value, name, dims, index, False, max_side)
     display = s["shown"].astype(np.float32)
     kinds = s["kinds"]
@@ -246,8 +248,7 @@ def run_dirs() -> list:
     """The directories the timeline lists: the running recording's run_dir (when
     `mldebug.record` runs in this process) first, then those given to the view and
     those of recordings seen running earlier (a run stays listed once it ends)."""
-    recorder = sys.modules.get("mldebug.record.recorder")   # not imported: nothing records
-    rec = recorder.active_recorder() if recorder is not None else None
+    rec = active_recorder()
     with _run_dirs_lock:
         if rec is not None:
             d = os.path.abspath(rec.run_dir)
@@ -260,10 +261,7 @@ def run_dirs() -> list:
 def known_runs() -> dict:
     """{"runs": [{name, path, status, steps, dir, live}], "notes": [text]} of every run
     store in run_dirs(); a missing directory is a note, not an error."""
-    from ..record.store import list_runs
-
-    recorder = sys.modules.get("mldebug.record.recorder")
-    rec = recorder.active_recorder() if recorder is not None else None
+    rec = active_recorder()
     live = os.path.abspath(rec.path) if rec is not None else None
     runs, notes = [], []
     for d in run_dirs():
@@ -287,10 +285,6 @@ def run_label(run: dict, several_dirs: bool) -> str:
 
 def _side(t: Optional[dict], key: str, kpi: str, bins: int) -> dict:
     """What one run contributes to the timeline panel for series KEY and scalar KPI."""
-    import numpy as np
-
-    from ..record.timeline import hist_grid
-
     def arr(values):
         return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
 
@@ -344,9 +338,6 @@ def timeline_view(path_a: str, path_b: Optional[str] = None, key: Optional[str] 
     (default: A's first parameter) and scalar KPI (default 'loss', else A's first scalar):
     {"series": [(key, label)], "key", "kpis": [...], "kpi", "sides": [side_a, side_b?]}.
     Raises FileNotFoundError / ValueError for a bad store."""
-    from ..record.store import open_run
-    from ..record.timeline import compare, timeline
-
     with open_run(path_a) as run:
         series = run.series()
     keys = [s["key"] for s in series]

@@ -80,11 +80,7 @@ Processes and threads
 """
 from __future__ import annotations
 
-import sys as _sys
-import types as _types
-
-import inspect as _inspect
-
+from ..core.callable_module import make_callable
 from . import core as _core
 from .core import Allowed, Watch, active_watch, allow  # noqa: F401
 from .device_window import WINDOW_MAX  # noqa: F401
@@ -92,22 +88,7 @@ from .device_window import WINDOW_MAX  # noqa: F401
 __all__ = ["watch", "allow", "Watch", "Allowed", "active_watch", "WINDOW_MAX"]
 
 
-class _CallableModule(_types.ModuleType):
-    """`mldebug.watch` is both this package and the function that starts a watch.
-
-    Importing the submodule sets the package attribute `mldebug.watch` to the module,
-    and `mldebug.__init__`'s lazy attribute would set it to whatever `watch` is in
-    here: so `watch` in here IS this (callable) module. `mldebug.watch(...)`,
-    `from mldebug.watch import watch; watch(...)` and `mldebug.watch.active_watch()` all
-    work, in any import order.
-    """
-
-    def __call__(self, on_violation=None, break_on=("nan", "inf"), allow=(), action="break",
-                 exact=False):
-        return _core.watch(on_violation=on_violation, break_on=break_on, allow=allow,
-                           action=action, exact=exact)
-
-
-_sys.modules[__name__].__class__ = _CallableModule
-__signature__ = _inspect.signature(_core.watch)
-watch = _sys.modules[__name__]
+# `mldebug.watch` is both this package and the function that starts a watch:
+# `mldebug.watch(...)`, `from mldebug.watch import watch` and `mldebug.watch.active_watch()`
+# all work, in any import order (core/callable_module.py)
+watch = make_callable(__name__, _core.watch)

@@ -1,0 +1,131 @@
+"""The end of a recorded step: the step's statistics staged, packed into column blobs and
+handed to the store's writer thread (methods of `Recorder`)."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from ..core.quiet import own_work
+
+
+class StepWriting:
+    """Methods of `Recorder`: finishing, packing and writing a recorded step."""
+
+    def _finish_step(self) -> None:
+        step = self.step_index
+        if not self._params_done and self.model is not None:
+            self._record_params()
+        with self._lock:
+            entries, batch, caps = self._entries, self._batch, self._cap_store
+            self._tensor_hooks_off()
+            self._reset_step()
+        with own_work():
+            staged = batch.stage() if entries else None   # no host transfer here
+            caps = self._stage_captures(caps)
+        scalars, self._scalars = self._scalars, []
+        notes, self._notes = self._notes, []
+        self._last_flush = time.monotonic()
+        w = self._writer
+        if (staged is None or batch.on_host(staged)) and all(
+                c[1].device.type == "cpu" for c in caps.values()):
+            # all on the host: finished here. A writer thread that did it would hold the
+            # GIL through many small numpy ops while the next step's Python waits (on a
+            # small machine that cost more than the work); the commit still goes there
+            w.flush()     # (series ids: the writer is idle while new ones are added)
+            with own_work():
+                packed, cap_rows = self._pack_step(step, batch, staged, entries, caps)
+            job = lambda: w.write_step(step, packed, _scalar_rows(scalars), notes, cap_rows)
+            if self._commit_here:
+                w.run(job)
+            else:
+                w.submit(job)
+            return
+        w.submit(lambda: self._write_step(step, batch, staged, entries, caps, scalars, notes))
+
+    def _write_step(self, step, batch, staged, entries, caps, scalars, notes) -> None:
+        """On the writer thread: the host transfer, histograms, packing, the commit.
+        (The watch's dispatch mode is per thread: this thread is not watched.)"""
+        with torch.no_grad():
+            packed, cap_rows = self._pack_step(step, batch, staged, entries, caps)
+        self._writer.write_step(step, packed, _scalar_rows(scalars), notes, cap_rows)
+
+    def _pack_step(self, step, batch, staged, entries, caps) -> tuple:
+        """The step's stepdata row and capture rows (host transfer, histograms, packing)."""
+        out = batch.finish_staged(staged) if staged is not None else None
+        cap_rows = self._capture_rows(step, caps)
+        if not entries:
+            return None, cap_rows
+        w = self._writer
+        series = w._series
+        sids = []
+        for key, meta, _, _ in entries:
+            sid = series.get(key)
+            if sid is None:
+                path, kind, idx, name, shape, dtype = meta[:6]
+                sid = w.series_id(key, path, kind, idx, name, meta[6] if len(meta) > 6 else "",
+                                  tuple(shape), str(dtype).replace("torch.", ""))
+            sids.append(sid)
+        return _pack(out, np.array(sids, np.int32), np.array([e[2] for e in entries], np.int32),
+                     np.array([e[3] for e in entries], np.int64),
+                     self.bins if self.sample else 0), cap_rows
+
+    def _stage_captures(self, caps: dict) -> dict:
+        """Means divided on the device before the step's tensors are handed over."""
+        return {k: (cap, t / n if red == "mean" and n else t, red, n)
+                for k, (cap, t, red, n) in caps.items()}
+
+    def _capture_rows(self, step: int, caps: dict) -> list:
+        out = []
+        for (key, call), (cap, t, red, n) in caps.items():
+            path, rest = key.split(":", 1)
+            sid = self._writer.series_id(key, path, rest.split("[")[0], cap.index, "", "",
+                                         tuple(t.shape), str(t.dtype).replace("torch.", ""))
+            arr = t.detach().cpu()
+            if arr.dtype == torch.bfloat16:
+                arr = arr.float()
+            a = np.ascontiguousarray(arr.numpy())
+            out.append((step, sid, max(call, 0), red, str(list(a.shape)), a.dtype.str,
+                        a.tobytes()))
+        return out
+
+
+def _scalar_rows(items: list) -> list:
+    """(step, name, value) rows; tensors read with one transfer per device."""
+    if not items:
+        return []
+    values = [v for _, _, v in items]
+    by_device: dict = {}
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append(i)
+    with torch.no_grad():   # the writer thread (or close())
+        for dev, index in by_device.items():
+            host = torch.stack([values[i].double() for i in index]).cpu().tolist()
+            for i, h in zip(index, host):
+                values[i] = h
+    return [(s, n, None if float(v) != float(v) else float(v))
+            for (s, n, _), v in zip(items, values)]
+
+
+def _pack(out: dict, sids, calls, rows, bins: int) -> tuple:
+    """The stepdata columns (after step) of a finished batch, rows picked by ROWS."""
+    norm_off = np.full((len(rows), 2), -1, np.int64)
+    chunks, o = [], 0
+    got = out["norms"]
+    if got:
+        for j, r in enumerate(rows.tolist()):
+            v = got.get(r)
+            if v is not None:
+                norm_off[j] = (o, len(v))
+                chunks.append(v)
+                o += len(v)
+    norms = np.concatenate(chunks).astype("<f4") if chunks else np.zeros(0, "<f4")
+    hist = out["hist"][rows].astype("<i4") if bins else np.zeros((len(rows), 0), "<i4")
+    ranges = np.stack([out["lo"][rows], out["hi"][rows]], 1).astype("<f8")
+    outside = np.stack([out["below"][rows], out["above"][rows]], 1).astype("<i4")
+    return (len(rows), bins, sids.astype("<i4").tobytes(), calls.astype("<i4").tobytes(),
+            out["stats"][rows].astype("<f8").tobytes(), hist.tobytes(), ranges.tobytes(),
+            outside.tobytes(), out["sample_n"][rows].astype("<i4").tobytes(),
+            norm_off.astype("<i8").tobytes(), norms.tobytes())
