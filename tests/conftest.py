@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-PROGRAMS = Path(__file__).resolve().parent / "programs"
+TESTS = Path(__file__).resolve().parent       # tests/ mirrors mldebug/; shared programs stay here
+REPO = TESTS.parent
+PROGRAMS = TESTS / "programs"
 # Debian's chromium, driven by Playwright (never a downloaded browser)
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
@@ -93,3 +94,32 @@ def device(request):
         yield "cpu"
     finally:
         core.simulate_device(False)
+
+
+# A training run whose head's weight blows up until exp overflows: the history tests
+# (tests/record/test_history.py) and their CUDA twin (tests/test_cuda_paths.py)
+BLOWUP = """
+    import torch
+    import torch.nn as nn
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.lin(x).exp()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), Head())
+    opt = torch.optim.SGD(model.parameters(), lr=0.001)
+    x = torch.randn(32, 4)
+    for step in range(40):
+        opt.zero_grad()
+        loss = model(x).mean()   # here: exp overflows once the head's weight is large
+        loss.backward()
+        with torch.no_grad():
+            model[2].lin.weight.mul_(3.0)   # planted: the head's weight blows up
+        opt.step()
+    print("finished")
+"""

@@ -19,8 +19,7 @@ from mldebug.summaries import slicing
 from mldebug.record import open_run
 from mldebug.summaries import summary
 
-from conftest import clean_env, marker_line, needs_cuda, read_report, run_cli
-from test_record_history import BLOWUP
+from conftest import BLOWUP, clean_env, marker_line, needs_cuda, read_report, run_cli
 
 pytestmark = needs_cuda
 

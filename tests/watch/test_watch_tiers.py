@@ -13,6 +13,8 @@ import torch.nn.functional as F
 import mldebug
 from mldebug.watch import watch
 
+from conftest import REPO
+
 
 def lineno(fn, marker="# here") -> int:
     import inspect
@@ -319,8 +321,7 @@ def test_after_a_stop_in_the_loss_backward_the_optimizer_step_is_not_a_new_stop(
     NaN gradients it leads to are not a second stop at optimizer.step()."""
     import os
     import runpy
-    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                           "examples", "nan_loss.py")
+    example = os.path.join(str(REPO), "examples", "nan_loss.py")
     got, w = collect()
     with w:
         runpy.run_path(example, run_name="__main__")

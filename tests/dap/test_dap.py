@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import clean_env, marker_line
+from conftest import TESTS, clean_env, marker_line
 from dap_client import DapClient, free_port
 
-PROGRAMS = Path(__file__).resolve().parent / "programs_dap"
+PROGRAMS = TESTS / "programs_dap"
 NAN_STEP = PROGRAMS / "nan_step.py"
 TENSORS_BP = PROGRAMS / "tensors_bp.py"
 RAISES = PROGRAMS / "raises.py"

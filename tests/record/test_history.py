@@ -6,33 +6,8 @@ import re
 import torch
 import torch.nn as nn
 
-from conftest import run_cli
+from conftest import BLOWUP, run_cli
 
-BLOWUP = """
-    import torch
-    import torch.nn as nn
-
-    class Head(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(8, 1)
-
-        def forward(self, x):
-            return self.lin(x).exp()
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), Head())
-    opt = torch.optim.SGD(model.parameters(), lr=0.001)
-    x = torch.randn(32, 4)
-    for step in range(40):
-        opt.zero_grad()
-        loss = model(x).mean()   # here: exp overflows once the head's weight is large
-        loss.backward()
-        with torch.no_grad():
-            model[2].lin.weight.mul_(3.0)   # planted: the head's weight blows up
-        opt.step()
-    print("finished")
-"""
 
 
 def _column(text: str, header: str) -> list:

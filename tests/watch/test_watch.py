@@ -18,7 +18,9 @@ from mldebug.core import session as session_mod
 from mldebug.core.errors import NonFiniteError, UsageError
 from mldebug.watch import Watch, active_watch, allow, watch
 
-PROGRAMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs")
+from conftest import TESTS  # noqa: E402
+
+PROGRAMS = str(TESTS / "programs")
 
 
 def program(name: str) -> str:

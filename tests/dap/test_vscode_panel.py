@@ -17,7 +17,7 @@ import pytest
 
 from conftest import CHROMIUM, CHROMIUM_ARGS, headless_chromium  # noqa: F401
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXT = REPO / "vscode-extension"
 FIXTURES = EXT / "test" / "fixtures"
 ORIGIN = "https://mldebug-panel.test"

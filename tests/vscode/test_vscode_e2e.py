@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXT = REPO / "vscode-extension"
 E2E = Path(os.environ.get("MLDEBUG_E2E_DIR", EXT / ".e2e"))
 ENV_FILE = E2E / "env.sh"
