@@ -1,7 +1,7 @@
 """Cost of `mldebug.watch()` on a training step, as ratios to the plain step.
 
     python benchmarks/bench_watch.py [--quick] [--models mlp,cnn,gpt] [--device cpu|cuda]
-                                     [--batch-scale N]
+                                     [--batch-scale N] [--compile]
 
 One process; for each model the variants run interleaved, in a new (seeded) random order
 every repetition (plain, plain2 = plain again, the
@@ -10,6 +10,10 @@ isfinite), repetition after repetition, and the median step time of each is prin
 ratio to plain. A step is zero_grad + forward + backward + optimizer step.
 Models: MLP 784-256-256-10 (batch 64, SGD), ResNet-18-like CNN (batch 16, 3x64x64, SGD
 with momentum), GPT-like transformer (6 layers, d=512, 8 heads, seq 128, batch 8, AdamW).
+--compile runs each model as `model.compile()` and prints, besides the ratios, dynamo's
+counts (machine-independent): graph breaks and the graphs compiled in all, which stay
+those of the plain compiled step when nothing mldebug installs enters a compiled graph
+(detect_anomaly and the dispatch-mode variants make dynamo fall back to eager).
 """
 from __future__ import annotations
 
@@ -181,9 +185,11 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def measure(name, device, reps, warmup=2, steps_per_rep=1, only=None):
+def measure(name, device, reps, warmup=2, steps_per_rep=1, only=None, compiled=False):
     torch.manual_seed(0)
     model, loss_fn, opt = MODELS[name](device)
+    if compiled:
+        model.compile()          # in place: the loss function's model(x) runs compiled
     vs = {k: v for k, v in variants().items() if only is None or k in only}
     times = {k: [] for k in vs}
     for k, make in vs.items():
@@ -252,6 +258,9 @@ def main(argv=None):
     parser.add_argument("--batch-scale", type=int, default=1,
                         help="multiply every model's batch (a GPU busy rather than "
                              "launch-bound)")
+    parser.add_argument("--compile", action="store_true",
+                        help="run the models compiled (model.compile()) and print dynamo's "
+                             "graph and graph-break counts")
     args = parser.parse_args(argv)
     if args.batch_scale < 1:
         parser.error(f"--batch-scale must be 1 or more, got {args.batch_scale}")
@@ -262,14 +271,25 @@ def main(argv=None):
     per = {"mlp": 5, "cnn": 1, "gpt": 1}
     only = args.variants.split(",")
     print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, "
-          f"{'quick' if args.quick else 'full'}, batch x{args.batch_scale}")
+          f"{'quick' if args.quick else 'full'}, batch x{args.batch_scale}"
+          + (", compiled" if args.compile else ""))
     header = f"{'model':6} {'plain ms':>9} " + " ".join(f"{k:>15}" for k in only if k != "plain")
     print(header)
     for name in args.models.split(","):
-        med = measure(name, args.device, reps[name], steps_per_rep=per[name], only=only)
+        if args.compile:
+            import torch._dynamo
+            import torch._dynamo.utils as dynamo_utils
+            torch._dynamo.reset()
+            dynamo_utils.counters.clear()
+        med = measure(name, args.device, reps[name], steps_per_rep=per[name], only=only,
+                      compiled=args.compile)
         base = med["plain"]
         cells = " ".join(f"{med[k] / base:>14.2f}x" for k in only if k != "plain")
         print(f"{name:6} {base * 1e3:>9.2f} {cells}", flush=True)
+        if args.compile:
+            c = dynamo_utils.counters
+            print(f"{name:6} dynamo: {sum(c['graph_break'].values())} graph breaks, "
+                  f"{c['stats']['unique_graphs']} graphs compiled in all variants", flush=True)
     if args.device.startswith("cuda"):
         for name in args.models.split(","):
             print(f"{name}: syncs per step {count_syncs(name, args.device)}", flush=True)

@@ -69,6 +69,7 @@ def run(on_violation=None):
 
 
 def __getattr__(name):
+    # (lazy for the same reason as run())
     if name in ("Runner", "active_runner"):
         from . import runner
         return getattr(runner, name)

@@ -27,6 +27,8 @@ def _ensure_library() -> None:
     with _LOCK:
         if _LOADED:
             return
+        # the library (torch-level checks) loads with the first look at the registry,
+        # not when a program imports mldebug.assertions to subclass a kind
         from .library import default_assertions
         names = {a.name for a in _REGISTRY}
         _REGISTRY[:0] = [a for a in default_assertions() if a.name not in names]
