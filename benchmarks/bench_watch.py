@@ -10,7 +10,7 @@ isfinite), repetition after repetition, and the median step time of each is prin
 ratio to plain. A step is zero_grad + forward + backward + optimizer step.
 Models: MLP 784-256-256-10 (batch 64, SGD), ResNet-18-like CNN (batch 16, 3x64x64, SGD
 with momentum), GPT-like transformer (6 layers, d=512, 8 heads, seq 128, batch 8, AdamW).
---compile runs each model as `model.compile()` and prints, besides the ratios, dynamo's
+--compile runs each model as `torch.compile(model)` and prints, besides the ratios, dynamo's
 counts (machine-independent): graph breaks and the graphs compiled in all, which stay
 those of the plain compiled step when nothing mldebug installs enters a compiled graph
 (detect_anomaly and the dispatch-mode variants make dynamo fall back to eager).
@@ -26,6 +26,8 @@ import time
 
 import torch
 import torch.nn as nn
+import torch._dynamo
+import torch._dynamo.utils as dynamo_utils
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -35,6 +37,7 @@ import mldebug  # noqa: E402
 
 # -- models --------------------------------------------------------------------------
 BATCH_SCALE = [1]   # --batch-scale: larger batches keep a GPU busy (not launch-bound)
+WRAP = [lambda m: m]   # --compile: torch.compile; the loss calls the wrapped model
 
 
 def make_mlp(device):
@@ -42,7 +45,8 @@ def make_mlp(device):
                       nn.Linear(256, 10)).to(device)
     x = torch.randn(64 * BATCH_SCALE[0], 784, device=device)
     y = torch.randint(0, 10, (64 * BATCH_SCALE[0],), device=device)
-    return m, (lambda: F.cross_entropy(m(x), y)), torch.optim.SGD(m.parameters(), lr=0.01)
+    run = WRAP[0](m)
+    return m, (lambda: F.cross_entropy(run(x), y)), torch.optim.SGD(m.parameters(), lr=0.01)
 
 
 class BasicBlock(nn.Module):
@@ -87,8 +91,9 @@ def make_cnn(device):
     m = ResNet18().to(device)
     x = torch.randn(16 * BATCH_SCALE[0], 3, 64, 64, device=device)
     y = torch.randint(0, 10, (16 * BATCH_SCALE[0],), device=device)
-    return m, (lambda: F.cross_entropy(m(x), y)), torch.optim.SGD(m.parameters(), lr=0.01,
-                                                                  momentum=0.9)
+    run = WRAP[0](m)
+    return m, (lambda: F.cross_entropy(run(x), y)), torch.optim.SGD(m.parameters(), lr=0.01,
+                                                                    momentum=0.9)
 
 
 class GPT(nn.Module):
@@ -114,7 +119,8 @@ def make_gpt(device):
     m = GPT().to(device)
     idx = torch.randint(0, 1000, (8 * BATCH_SCALE[0], 128), device=device)
     y = torch.randint(0, 1000, (8 * BATCH_SCALE[0], 128), device=device)
-    return m, (lambda: F.cross_entropy(m(idx).flatten(0, 1), y.flatten())), \
+    run = WRAP[0](m)
+    return m, (lambda: F.cross_entropy(run(idx).flatten(0, 1), y.flatten())), \
         torch.optim.AdamW(m.parameters(), lr=1e-4)
 
 
@@ -187,9 +193,8 @@ def sync(device):
 
 def measure(name, device, reps, warmup=2, steps_per_rep=1, only=None, compiled=False):
     torch.manual_seed(0)
+    WRAP[0] = torch.compile if compiled else (lambda m: m)
     model, loss_fn, opt = MODELS[name](device)
-    if compiled:
-        model.compile()          # in place: the loss function's model(x) runs compiled
     vs = {k: v for k, v in variants().items() if only is None or k in only}
     times = {k: [] for k in vs}
     for k, make in vs.items():
@@ -259,7 +264,7 @@ def main(argv=None):
                         help="multiply every model's batch (a GPU busy rather than "
                              "launch-bound)")
     parser.add_argument("--compile", action="store_true",
-                        help="run the models compiled (model.compile()) and print dynamo's "
+                        help="run the models compiled (torch.compile(model)) and print dynamo's "
                              "graph and graph-break counts")
     args = parser.parse_args(argv)
     if args.batch_scale < 1:
@@ -277,8 +282,6 @@ def main(argv=None):
     print(header)
     for name in args.models.split(","):
         if args.compile:
-            import torch._dynamo
-            import torch._dynamo.utils as dynamo_utils
             torch._dynamo.reset()
             dynamo_utils.counters.clear()
         med = measure(name, args.device, reps[name], steps_per_rep=per[name], only=only,
