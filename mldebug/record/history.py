@@ -10,11 +10,19 @@ program's time; the rows say which steps they are. `--history off` turns it off.
 
 Names come from the graph capture (the outermost module of the latest forward pass);
 parameters of other modules are named 'param N of optimizer M'.
+
+One code path for rows, two sources: while `mldebug.record` records a step with the
+`params` and `params_grad` logs and covers every parameter of the optimizer, the history
+computes nothing for that step and takes the norms the recorder derives from its
+summaries when the step is written (`Recorder.norm_listeners`); any other step it
+computes itself. Both go through `_add`, in step order.
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import math
+import threading
 import time
 import weakref
 from typing import Optional
@@ -25,6 +33,7 @@ from torch.optim import optimizer as _optim_hooks
 from ..core.quiet import own_work
 from ..graph import active_capture, last_graph
 from ..summaries.norms import l2_norms
+from .recorder import active_recorder
 
 
 STEPS = 20
@@ -57,6 +66,11 @@ class History:
         self._own = 0.0               # seconds spent in this step's recording
         self._ratio = 0.0             # EMA of own time / step time, amortized
         self._warned = False
+        self._lock = threading.Lock()  # rows arrive from the recorder's writer thread too
+        self._awaited: dict = {}      # recorder step -> the history's step it is
+        self._listening = None        # the recorder whose norms this history takes
+        self.from_recorder = 0        # steps whose norms came from the recording
+        self.computed = 0             # steps whose norms the history computed
 
     def start(self) -> "History":
         global _ACTIVE
@@ -72,6 +86,7 @@ class History:
         global _ACTIVE
         while self._handles:
             self._handles.pop().remove()
+        self._stop_listening()
         if _ACTIVE is self:
             _ACTIVE = None
 
@@ -83,6 +98,10 @@ class History:
 
     # -- hooks -----------------------------------------------------------------------
     def _pre(self, optimizer, args, kwargs):
+        rec = active_recorder()
+        if rec is not None and rec.records_norms_of(optimizer):
+            self._take_from(rec)
+            return None
         if self.step % self.stride:
             return None
         t0 = time.perf_counter()
@@ -118,6 +137,9 @@ class History:
 
     def _param_names(self, optimizer) -> dict:
         root = _root_module()
+        if root is None:          # no graph capture: the recording's model names them
+            rec = active_recorder()
+            root = rec.model if rec is not None else None
         names = self._names.get(root) if root is not None else None
         if names is None and root is not None:
             names = {id(p): n for n, p in root.named_parameters()}
@@ -126,6 +148,52 @@ class History:
             except TypeError:
                 pass
         return names or {}
+
+    # -- rows ----------------------------------------------------------------------------
+    def _take_from(self, rec) -> None:
+        """This step's norms come from the recording (when it writes the step)."""
+        if self._listening is not rec:
+            self._stop_listening()
+            rec.norm_listeners.append(self._from_recorder)
+            self._listening = rec
+        with self._lock:
+            self._awaited[rec.step_index] = self.step
+
+    def _stop_listening(self) -> None:
+        rec, self._listening = self._listening, None
+        if rec is not None and self._from_recorder in rec.norm_listeners:
+            rec.norm_listeners.remove(self._from_recorder)
+
+    def _from_recorder(self, rec_step: int, row: dict) -> None:
+        with self._lock:
+            step = self._awaited.pop(rec_step, None)
+        if step is not None:
+            self.from_recorder += 1
+            self._add(step, row)
+
+    def _add(self, step: int, row: dict) -> None:
+        """The one way a row enters: in step order (the recorder's may come late), a
+        second optimizer's parameters of the same step merged into its row."""
+        with self._lock:
+            rows = self.rows
+            if rows and rows[-1][0] == step:
+                rows[-1][1].update(row)
+            elif not rows or rows[-1][0] < step:
+                rows.append((step, row))
+            else:
+                steps = [s for s, _ in rows]
+                i = bisect.bisect_left(steps, step)
+                if i < len(steps) and steps[i] == step:
+                    rows[i][1].update(row)
+                elif i > 0 or len(rows) < rows.maxlen:     # (older than all kept: dropped)
+                    items = list(rows)
+                    items.insert(i, (step, row))
+                    rows.clear()
+                    rows.extend(items[-rows.maxlen:])
+
+    def _snapshot(self) -> list:
+        with self._lock:
+            return list(self.rows)
 
     def _record(self, optimizer) -> None:
         params = [p for g in optimizer.param_groups for p in g["params"]
@@ -144,23 +212,21 @@ class History:
         for i, p in enumerate(params):
             name = names.get(id(p)) or f"param {i} of optimizer {k}"
             row[name] = (host[i], grads.get(i))
-        if self.rows and self.rows[-1][0] == self.step:   # a second optimizer, same step
-            self.rows[-1][1].update(row)
-        else:
-            self.rows.append((self.step, row))
+        self.computed += 1
+        self._add(self.step, row)
 
     # -- reading -----------------------------------------------------------------------
-    def params_of(self, module: str) -> list:
+    def params_of(self, module: str, rows=None) -> list:
         """Names of the recorded parameters under MODULE ('' = all), in first-seen order."""
         seen: dict = {}
-        for _, row in self.rows:
+        for _, row in (self._snapshot() if rows is None else rows):
             for name in row:
                 if not module or name == module or name.startswith(module + "."):
                     seen.setdefault(name, None)
         return list(seen)
 
-    def _growth(self, name: str) -> float:
-        vals = [r[name][0] for _, r in self.rows if name in r and r[name][0] is not None]
+    def _growth(self, name: str, rows) -> float:
+        vals = [r[name][0] for _, r in rows if name in r and r[name][0] is not None]
         if not vals:
             return 0.0
         if not all(math.isfinite(v) for v in vals):
@@ -170,26 +236,28 @@ class History:
     def to_dict(self) -> dict:
         """JSON-able: {'steps': [...], 'stride': n, 'params': {name: {'norm': [...],
         'grad_norm': [...]}}} (None where a step has no value)."""
-        steps = [s for s, _ in self.rows]
+        rows = self._snapshot()
+        steps = [s for s, _ in rows]
         params: dict = {}
-        for name in self.params_of(""):
-            params[name] = {"norm": [_j(r.get(name, (None, None))[0]) for _, r in self.rows],
-                            "grad_norm": [_j(r.get(name, (None, None))[1]) for _, r in self.rows]}
+        for name in self.params_of("", rows):
+            params[name] = {"norm": [_j(r.get(name, (None, None))[0]) for _, r in rows],
+                            "grad_norm": [_j(r.get(name, (None, None))[1]) for _, r in rows]}
         return {"steps": steps, "stride": self.stride, "params": params}
 
     def format(self, module: str, max_params: int = 3) -> str:
         """The table `history MODULE` prints."""
-        names = self.params_of(module)
+        rows = self._snapshot()
+        names = self.params_of(module, rows)
         label = module or "the model"
         if not module:   # the whole model: the fastest-growing parameters first
-            names.sort(key=self._growth, reverse=True)
-        if not self.rows:
+            names.sort(key=lambda name: self._growth(name, rows), reverse=True)
+        if not rows:
             return "history: no optimizer step seen yet (the history records at optimizer.step())"
         if not names:
             return (f"history: no parameters under {label!r} were recorded "
-                    f"(recorded: {', '.join(self.params_of('')[:6]) or 'none'})")
+                    f"(recorded: {', '.join(self.params_of('', rows)[:6]) or 'none'})")
         shown, more = names[:max_params], names[max_params:]
-        steps = [s for s, _ in self.rows]
+        steps = [s for s, _ in rows]
         lines = [f"history of {label}: steps {steps[0]}..{steps[-1]} "
                  f"(L2 norms read before each optimizer update; ∇ = gradient)"]
         if self.stride > 1:
@@ -200,15 +268,15 @@ class History:
             cols += [f"‖{n}‖", "‖∇‖"]
         widths = [max(12, len(c)) for c in cols]
         lines.append("  " + f"{'step':>6}  " + "  ".join(f"{c:>{w}}" for c, w in zip(cols, widths)))
-        for step, row in self.rows:
+        for step, row in rows:
             cells = []
             for n in shown:
                 v, g = row.get(n, (None, None))
                 cells += [_fmt(v), _fmt(g)]
             lines.append("  " + f"{step:>6}  " + "  ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
         for n in shown:
-            first = next((r[n][0] for _, r in self.rows if n in r and _finite(r[n][0])), None)
-            last = next((r[n][0] for _, r in reversed(self.rows) if n in r), None)
+            first = next((r[n][0] for _, r in rows if n in r and _finite(r[n][0])), None)
+            last = next((r[n][0] for _, r in reversed(rows) if n in r), None)
             if first and last is not None and _finite(last) and first > 0 and last / first >= 2:
                 lines.append(f"  ‖{n}‖ grew ×{last / first:.3g} over these steps")
             elif last is not None and not _finite(last):

@@ -158,6 +158,8 @@ class Recorder(CaptureHooks, StepWriting):
         self._commit_here = not background or not spare_core()
         self.step_index = 0
         self._after_step = False
+        # f(step, {param name: (norm, grad norm)}) after each recorded step (history.py)
+        self.norm_listeners: list = []
         self.recording = False
         self.closed = False
         self._lock = threading.Lock()
@@ -325,6 +327,14 @@ class Recorder(CaptureHooks, StepWriting):
             self._warn("installing hooks", exc)
 
     # -- optimizer hooks (the default step boundary) -----------------------------------
+    def records_norms_of(self, optimizer) -> bool:
+        """Whether the step in progress gives the norms of every parameter OPTIMIZER
+        updates, and of their gradients (recorded step, `params` and `params_grad`)."""
+        if self.manual or not (self.recording and {"params", "params_grad"} <= self.log):
+            return False
+        ids = {id(p) for _, _, p in self._params}
+        return all(id(p) in ids for g in optimizer.param_groups for p in g["params"])
+
     def _owned(self, optimizer) -> bool:
         owns = self._owns.get(optimizer)
         if owns is None:

@@ -57,6 +57,8 @@ class StepWriting:
         cap_rows = self._capture_rows(step, caps)
         if not entries:
             return None, cap_rows
+        if self.norm_listeners:
+            self._tell_norms(step, entries, out["stats"])
         w = self._writer
         series = w._series
         sids = []
@@ -70,6 +72,22 @@ class StepWriting:
         return _pack(out, np.array(sids, np.int32), np.array([e[2] for e in entries], np.int32),
                      np.array([e[3] for e in entries], np.int64),
                      self.bins if self.sample else 0), cap_rows
+
+    def _tell_norms(self, step, entries, stats) -> None:
+        """The parameters' and gradients' L2 norms of a recorded step, from its summaries
+        (what `history` shows while a recording computes them anyway): listener(step,
+        {name: (norm, grad norm)})."""
+        row: dict = {}
+        for key, meta, _, r in entries:
+            kind = meta[1]
+            if kind in ("param", "param_grad"):
+                name = meta[3]
+                value = l2_norm_of_summary(stats[r])
+                old = row.get(name, (None, None))
+                row[name] = (value, old[1]) if kind == "param" else (old[0], value)
+        if row:
+            for listener in list(self.norm_listeners):
+                listener(step, row)
 
     def _stage_captures(self, caps: dict) -> dict:
         """Means divided on the device before the step's tensors are handed over."""
@@ -129,3 +147,20 @@ def _pack(out: dict, sids, calls, rows, bins: int) -> tuple:
             out["stats"][rows].astype("<f8").tobytes(), hist.tobytes(), ranges.tobytes(),
             outside.tobytes(), out["sample_n"][rows].astype("<i4").tobytes(),
             norm_off.astype("<i8").tobytes(), norms.tobytes())
+
+
+def l2_norm_of_summary(summary) -> float:
+    """The L2 norm of a tensor from its summary row (`rows.SUMMARY`: count, mean, abs-mean,
+    std, abs-max, min, max, nan, +inf, -inf): sqrt((n - 1)·std² + n·mean²) over the finite
+    values, NaN when it holds a NaN, inf when an Inf."""
+    count, mean, _, std = (float(v) for v in summary[:4])
+    nan, posinf, neginf = (float(v) for v in summary[7:10])
+    if nan:
+        return float("nan")
+    if posinf or neginf:
+        return float("inf")
+    n = count
+    if n <= 0:
+        return 0.0
+    sumsq = n * mean * mean + ((n - 1) * std * std if n > 1 else 0.0)
+    return float(np.sqrt(max(sumsq, 0.0)))

@@ -110,3 +110,35 @@ def test_history_rows_are_the_norms_torch_computes():
         assert row["1.weight"][1] == __import__("pytest").approx(g, rel=1e-6)
     d = h.to_dict()
     assert d["steps"] == [2, 3, 4] and len(d["params"]["0.bias"]["grad_norm"]) == 3
+
+
+def test_while_a_recording_gives_the_norms_the_history_computes_none(tmp_path):
+    """One code path, two sources: on the steps `mldebug.record` records (params and
+    params_grad logs), the history takes the norms the recorder derives from its
+    summaries and computes nothing; on the others it computes them itself."""
+    import pytest
+
+    import mldebug
+    from mldebug.graph import Capture
+    from mldebug.record.history import History
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(16, 4)
+    expected = []
+    with Capture(), History() as h:
+        with mldebug.record(model, every=2, run_dir=str(tmp_path), run="r"):
+            for _ in range(6):
+                opt.zero_grad()
+                model(x).pow(2).mean().backward()
+                expected.append({n: (p.norm().item(), p.grad.norm().item())
+                                 for n, p in model.named_parameters()})
+                opt.step()
+    assert (h.from_recorder, h.computed) == (3, 3)       # steps 0, 2, 4 | 1, 3, 5
+    assert [s for s, _ in h.rows] == list(range(6))
+    for (step, row), want in zip(h.rows, expected):
+        assert set(row) == set(want)
+        for name, (w, g) in want.items():
+            assert row[name][0] == pytest.approx(w, rel=1e-5), (step, name)
+            assert row[name][1] == pytest.approx(g, rel=1e-5), (step, name)
