@@ -28,6 +28,7 @@ LAYERS = [
     ("mldebug.prompt", 5),        # the prompt's ML commands and its IPython terminal
     ("mldebug.debugger", 6),      # the prompt
     ("mldebug.frontends", 7),     # which front end pauses a session none was set up for
+    ("mldebug.integrations", 7),  # framework callbacks: the engines started from inside
     ("mldebug.cli", 8),
     ("mldebug.__main__", 9),
     ("mldebug", 9),               # the package face

@@ -1,0 +1,102 @@
+"""The framework callbacks, in runs launched by the framework itself (plain `python`, no
+`python -m mldebug`), as a user who cannot change the entry point runs them: the
+examples stop at their bug, in the user's method, with the framework's step; a clean
+run with the callback computes the same bits as without it; `report=` writes the stops."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import REPO, clean_env, marker_line, read_report
+
+EXAMPLES = REPO / "examples"
+
+LIGHTNING = """
+    import sys
+    import torch
+    from torch import nn
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+    from mldebug.integrations.lightning import MLDebugCallback
+
+    mode, report = sys.argv[1], sys.argv[2]
+
+
+    class Model(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            out = self.net(x)
+            if mode == "bug" and self.global_step == 2:
+                out = out / torch.zeros_like(out)  # here
+            return ((out - y) ** 2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    model = Model()
+    callbacks = [] if mode == "plain" else [MLDebugCallback(report=report)]
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=callbacks)
+    trainer.fit(model, DataLoader(data, batch_size=16))
+    print("weights", [p.detach().double().sum().item().hex() for p in model.parameters()])
+"""
+
+
+def _python(args, stdin=""):
+    return subprocess.run([sys.executable, *map(str, args)], input=stdin, capture_output=True,
+                          text=True, env=clean_env(), timeout=300)
+
+
+def _stop_line(out: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith("mldebug: "))
+
+
+def test_the_lightning_example_stops_in_training_step_at_its_step():
+    example = EXAMPLES / "lightning_callback.py"
+    result = _python([example], stdin="why\n" + "c\n" * 4)
+    assert result.returncode == 0, result.stderr
+    line = marker_line(example, "the bug: log of 0")
+    assert _stop_line(result.stdout).startswith(
+        f"mldebug: 1 -Inf from aten.log.default (torch.log) at lightning_callback.py:{line} "
+        "[forward, step 3]")
+    assert f"> {example}({line})training_step()" in result.stdout
+    assert "root cause: this op made the non-finite value from finite inputs" in result.stdout
+    assert "trained 8 steps" in result.stdout              # `c` ran the fit to its end
+
+
+def test_the_transformers_example_stops_in_compute_loss_at_its_step():
+    example = EXAMPLES / "transformers_callback.py"
+    result = _python([example], stdin="c\n" * 6)
+    assert result.returncode == 0, result.stderr
+    line = marker_line(example, "the bug: 0 / 0")
+    assert _stop_line(result.stdout).startswith(
+        f"mldebug: 1 +Inf from aten.div.Tensor (torch.div) at transformers_callback.py:{line} "
+        "[forward, step 2]")
+    assert f"> {example}({line})compute_loss()" in result.stdout
+    assert "trained 4 steps" in result.stdout
+
+
+def test_the_lightning_callback_changes_no_bit_and_reports_its_stops(write_program, tmp_path):
+    prog = write_program(LIGHTNING)
+    plain = _python([prog, "plain", tmp_path / "none.jsonl"])
+    assert plain.returncode == 0, plain.stderr
+    report = tmp_path / "clean.jsonl"
+    clean = _python([prog, "clean", report])
+    assert clean.returncode == 0, clean.stderr
+    assert clean.stdout.splitlines()[-1] == plain.stdout.splitlines()[-1]    # the same bits
+    assert not report.exists() or read_report(report) == []
+    report = tmp_path / "bug.jsonl"
+    buggy = _python([prog, "bug", report], stdin="c\n" * 6)
+    first = read_report(report)[0]
+    assert (first["reason"], first["stage"], first["step"]) == ("inf", "forward", 2)
+    assert (first["file"], first["line"], first["function"]) == (str(prog), marker_line(prog),
+                                                                 "training_step")
+    assert "weights" in buggy.stdout                        # `c` goes on to the end
