@@ -30,7 +30,7 @@ class Wiring:
         self._started: list = []       # what this wiring started, to close in reverse
         self._session = None
 
-    def start(self, model, step: int = 0) -> None:
+    def start(self, model, step: Optional[int] = None) -> None:
         if self._started:
             return
         session = self._session = _session.current()
