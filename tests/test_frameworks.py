@@ -200,3 +200,6 @@ def test_gradient_checkpointing_under_bf16_autocast(write_program, tmp_path):
     # after `c`, the backward recomputes the blocks as it would without mldebug
     assert "CheckpointError" not in result.stdout + result.stderr
     assert "weights" in result.stdout
+    # and what the recomputation makes again (the NaN, what flows from it into the next
+    # blocks) is the first stop's: no new stop in backward, none after
+    assert [s["stage"] for s in read_report(report)] == ["forward"]

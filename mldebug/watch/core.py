@@ -49,6 +49,12 @@ from .tiers import TierState
 from .verdict import Verdict
 
 _get_ident = threading.get_ident
+_graph_task_id = torch._C._current_graph_task_id
+
+
+def _in_autograd_backward() -> bool:
+    """Whether autograd's engine runs a backward on this thread now."""
+    return _graph_task_id() != -1
 
 _ACTIVE = None             # the running Watch
 _DYNAMO_MARKED = False     # code objects marked for dynamo to skip
@@ -280,11 +286,18 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, ModuleTier, BackwardTier, Compile
             self._deliver_stash()
         top = self._top
         t = self._t
+        if top is None and not t.replaying and _in_autograd_backward():
+            # a module's forward inside backward: a checkpoint recomputing what the
+            # forward computed (and judged) already
+            t.recomputing.append(module)
         if top is None:
             self._names.roots.add(module)
             if not self._compile_warned and type(module).__name__ == "OptimizedModule":
                 self._compile_note(module)
-            if not (self.exact or t.popped or t.replaying or t.in_backward or self._opt_depth):
+            # (a recomputation after a stop runs op by op: what it makes again is marked
+            # as the stop's, so its backward is no new stop)
+            if not (self.exact or t.popped or t.replaying or t.in_backward or self._opt_depth
+                    or (t.recomputing and self.violations)):
                 # an outermost call: exact mode off inside, sentinels on (tiers.py)
                 t.cuda_rng = torch.cuda.is_initialized()
                 t.start_rng = _tiers.rng_state(t.cuda_rng)
@@ -319,6 +332,8 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, ModuleTier, BackwardTier, Compile
             return None
         top = self._top
         t = self._t
+        if t.recomputing and t.recomputing[-1] is module:
+            t.recomputing.pop()
         if (t.popped and not t.replaying and output is not None and top is not None
                 and top[0] is module):
             self._sentinel(output, top)      # (a re-run has the exact mode on instead)

@@ -216,6 +216,8 @@ class TierState:
         self.device_grad_sums: list = []  # (sum on device, record) of output gradients
         self.opt_popped = False      # the optimizer step runs without the exact mode
         self.replay_lineage = False  # the last re-run's outputs descend from a stop
+        self.recomputing: list = []  # modules whose forward runs again inside backward
+                                     # (torch.utils.checkpoint's recomputation)
 
 
 def mode_on_top(mode) -> bool:

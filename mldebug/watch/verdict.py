@@ -49,6 +49,12 @@ class Verdict:
         input is gone, and what it is taken to have held (has NaN, has Inf, descends
         from a stop). `dtype`: that of the output, when it is gone (judged by its sum).
         """
+        if self._t.recomputing and self.violations:
+            # a checkpoint recomputes a forward the watch judged already: what it makes
+            # again was a stop then, or flowed from one; mark it so (its backward is no
+            # new stop), and stop nothing here
+            self._taint_outputs([t for t, _ in self._flatten_outputs(outs)], True)
+            return
         if entry is None:
             node = _current_node()
             stage = self._stage(node)
