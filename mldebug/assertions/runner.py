@@ -452,7 +452,8 @@ class Runner:
                         first = (name, a.detail)
             if first is not None:
                 name, detail = first
-                a.detail = detail + (f"; {failed - 1} more parameter(s)" if failed > 1 else "")
+                more = f"{failed - 1} more parameter(s)" if failed > 1 else ""
+                a.detail = "; ".join(part for part in (detail, more) if part)
                 owner = name.rsplit(".", 1)[0] if "." in name and not name.startswith("param_groups") else ""
                 self._report(a, stage, module=owner, param=name)
 

@@ -335,3 +335,37 @@ def test_dead_relu_does_not_call_nan_units_dead():
     half_dead[:, 10:] = float("nan")       # 10 of the 16 units are dead, 6 are NaN
     assert not a.check(relu, half_dead, (), None)
     assert "62% of 16 units dead" in a.detail
+
+
+def test_a_custom_param_assertion_without_detail_counts_the_other_parameters():
+    """Several parameters fail one check: the text names the count, without the empty
+    detail's separator ('(; 1 more ...)')."""
+    import torch
+    import torch.nn as nn
+
+    import mldebug
+    from mldebug.assertions import ParamAssertion
+
+    class WeightTooBig(ParamAssertion):
+        name = "weight_too_big_test"
+        message = "a weight's abs-max exceeds 10"
+        check_on = ("optimizer",)
+
+        def check(self, name, param, grad):
+            return param.detach().abs().max().item() <= 10
+
+    model = nn.Linear(2, 2)
+    with torch.no_grad():
+        model.weight.fill_(20.0)
+        model.bias.fill_(20.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    got = []
+    mldebug.register_assertion(WeightTooBig())
+    try:
+        with mldebug.scan(on_violation=got.append):
+            model(torch.ones(1, 2)).sum().backward()
+            opt.step()
+    finally:
+        mldebug.deregister_assertion("weight_too_big_test")
+    texts = [v.text for v in got if v.assertion == "weight_too_big_test"]
+    assert texts == ["a weight's abs-max exceeds 10 (1 more parameter(s))"]
