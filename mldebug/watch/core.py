@@ -290,6 +290,9 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, ModuleTier, BackwardTier, Compile
             # a module's forward inside backward: a checkpoint recomputing what the
             # forward computed (and judged) already
             t.recomputing.append(module)
+        elif top is None and t.recomputing:
+            t.recomputing.clear()   # a forward again: no recomputation is open (one that
+                                    # raised a BaseException never ran its post hook)
         if top is None:
             self._names.roots.add(module)
             if not self._compile_warned and type(module).__name__ == "OptimizedModule":
