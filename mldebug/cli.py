@@ -254,8 +254,7 @@ def _start_watch(session: _session.Session, args):
         return None
     from . import watch as _watch
 
-    return _watch.watch(on_violation=session.on_violation, break_on=session.break_on,
-                        allow=session.allow, exact=session.exact_watch)
+    return _watch.watch_session(session)
 
 
 def _start_assertions(session: _session.Session, args):

@@ -12,8 +12,7 @@ from ..core.break_on import parse_break_on
 from ..graph import active_capture
 from ..record import record as _record
 from ..record.recorder import active_recorder
-from ..watch import active_watch
-from ..watch import watch as _watch
+from ..watch import active_watch, watch_session
 
 
 class Wiring:
@@ -45,9 +44,7 @@ class Wiring:
                     assertions=self.assertions and "assert" in session.break_on))
             if self.watch and active_watch() is None and session.break_on & {"nan", "inf",
                                                                              "inf-all"}:
-                self._started.append(_watch(on_violation=session.on_violation,
-                                            break_on=session.break_on, allow=session.allow,
-                                            exact=session.exact_watch))
+                self._started.append(watch_session(session))
             if self.record and model is not None and active_recorder() is None:
                 # (its steps count the optimizer's steps from here: the framework's
                 # global steps in a run that starts at step 0)

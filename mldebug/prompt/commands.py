@@ -165,9 +165,7 @@ class MLCommandSet:
         self.message(f"break on: {','.join(sorted(kinds)) or 'none'}")
 
     def _start_watch(self):
-        session = self.mldebug_session
-        return _watch.watch(on_violation=session.on_violation, break_on=session.break_on,
-                            allow=session.allow, exact=session.exact_watch)
+        return _watch.watch_session(self.mldebug_session)
 
     def do_graph(self, arg):
         """graph [-d DEPTH] [PATH | EXPR]

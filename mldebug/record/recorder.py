@@ -330,9 +330,10 @@ class Recorder(CaptureHooks, StepWriting):
     def records_norms_of(self, optimizer) -> bool:
         """Whether the step in progress gives the norms of every parameter OPTIMIZER
         updates, and of their gradients (recorded step, `params` and `params_grad`)."""
-        if self.manual or not (self.recording and {"params", "params_grad"} <= self.log):
+        if self.manual or not self._params or not (
+                self.recording and {"params", "params_grad"} <= self.log):
             return False
-        ids = {id(p) for _, _, p in self._params}
+        ids = self._param_ids      # (those of `_params`, which is not empty here)
         return all(id(p) in ids for g in optimizer.param_groups for p in g["params"])
 
     def _owned(self, optimizer) -> bool:

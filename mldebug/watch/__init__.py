@@ -82,10 +82,10 @@ from __future__ import annotations
 
 from ..core.callable_module import make_callable
 from . import core as _core
-from .core import Allowed, Watch, active_watch, allow  # noqa: F401
+from .core import Allowed, Watch, active_watch, allow, watch_session  # noqa: F401
 from .device_window import WINDOW_MAX  # noqa: F401
 
-__all__ = ["watch", "allow", "Watch", "Allowed", "active_watch", "WINDOW_MAX"]
+__all__ = ["watch", "allow", "Watch", "Allowed", "active_watch", "watch_session", "WINDOW_MAX"]
 
 
 # `mldebug.watch` is both this package and the function that starts a watch:

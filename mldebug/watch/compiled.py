@@ -83,28 +83,31 @@ class CompiledBoundary:
     def _compiled_returned(self, fn, args, kwargs, out) -> None:
         if self._skip or threading.get_ident() != self._owner:
             return
-        outs = [t for t in tensors_in(out) if t.is_floating_point() or t.is_complex()]
+        # floating outputs, as the per-op check (integer, bool and complex ones never are)
+        outs = [t for t in tensors_in(out) if t.is_floating_point()]
         if not outs:
             return
         with self._own_ops():
             if bool(torch.stack([torch.isfinite(t).all() for t in outs]).all()):
                 return
-            counts = [0, 0, 0]
-            for t in outs:
-                for i, c in enumerate(_counts(t)):
-                    counts[i] += c
+            per_output = [(t, _counts(t)) for t in outs]
+            bad, _ = next((t, c) for t, c in per_output if sum(c))
+            counts = [sum(c[i] for _, c in per_output) for i in range(3)]
             ins = [t for t in tensors_in((args, kwargs)) if t.is_floating_point()]
             came_in = any(not bool(torch.isfinite(t).all()) for t in ins)
+            output = _summary(bad)
         kind = "nan" if counts[0] else "inf"
         if kind not in self.break_on and not (kind == "inf" and "inf-all" in self.break_on):
             return
         name = getattr(fn, "__name__", "") or "function"
         frame = _frames.user_frame(_caller(1))
         file, line, function = _frames.location(frame)
-        with self._own_ops():
-            output = _summary(next(t for t in outs if not bool(torch.isfinite(t).all())))
-        text = (f"made inside the compiled function {name}, where the watch does not look "
-                "op by op; run with TORCH_COMPILE_DISABLE=1 and mldebug pins the op and its line")
+        if came_in:
+            text = f"an input of the compiled function {name} was not finite already"
+        else:
+            text = (f"made inside the compiled function {name}, where the watch does not "
+                    "look op by op; run with TORCH_COMPILE_DISABLE=1 and mldebug pins the op "
+                    "and its line")
         self._report(Violation(
             kind=kind, torch_op=name, stage=self._stage(None), frame=frame, file=file,
             line=line, function=function, nan=counts[0], posinf=counts[1], neginf=counts[2],

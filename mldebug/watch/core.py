@@ -525,3 +525,11 @@ def watch(on_violation=None, break_on=("nan", "inf"), allow=(), action="break",
     find its op (see tiers.py). exact=True: the per-op check everywhere, no re-runs."""
     return Watch(on_violation=on_violation, break_on=break_on, allow=allow,
                  action=action, exact=exact).start()
+
+
+def watch_session(session) -> Watch:
+    """The watch a session describes (its break-on kinds, exemptions and exact setting),
+    its stops going to the session: what the CLI, `watch on` and the framework callbacks
+    start."""
+    return watch(on_violation=session.on_violation, break_on=session.break_on,
+                 allow=session.allow, exact=session.exact_watch)
