@@ -34,8 +34,9 @@ FROM_PAGE = "   # from the browser view"
 class LineSource:
     """A file-like `readline()` returning the next command from the page or the terminal."""
 
-    def __init__(self, hub: _state.Hub, stdin=None, stdout=None):
+    def __init__(self, hub: _state.Hub, stdin=None, stdout=None, prompt: str = ""):
         self.hub = hub
+        self.prompt = prompt    # drawn again after the end-of-input note
         self.stdin = stdin if stdin is not None else sys.stdin
         self.stdout = stdout if stdout is not None else sys.stdout
         self._lines: list[str] = []
@@ -147,8 +148,10 @@ class LineSource:
             return
         self._told_eof = True
         try:
+            # the note interrupts a prompt already drawn: draw it again below the note,
+            # so the page's command reads as typed at a prompt, like any other
             self.stdout.write("\nmldebug: stdin is closed; waiting for the browser view "
-                              "(Continue / Step over there, Ctrl-C here)\n")
+                              "(Continue / Step over there, Ctrl-C here)\n" + self.prompt)
             self.stdout.flush()
         except Exception:  # noqa: BLE001
             pass
@@ -163,6 +166,7 @@ def _source_for(debugger, hub) -> LineSource:
     if source is None or source.hub is not hub:
         stdin = debugger.stdin if debugger.stdin is not sys.stdin else None
         source = _sources[id(debugger)] = LineSource(hub, stdin=stdin, stdout=debugger.stdout)
+    source.prompt = debugger.prompt
     return source
 
 

@@ -510,3 +510,22 @@ def test_a_stop_no_prompt_pauses_for_still_reaches_the_banner(page, view_url):
     _session.current().record(Stop(reason="nan", op="aten.div.Tensor", module="fc",
                                    message="3 NaN from aten.div.Tensor in module fc (Linear)"))
     wait_text(page, r"Stop: 3 NaN from aten\.div\.Tensor in module fc")
+
+
+def test_after_the_end_of_input_note_the_prompt_is_drawn_again_for_the_page_command():
+    """The note about a closed stdin can come while a prompt is already drawn (the CI run
+    that found this read EOF at the second prompt): the page's command must still show as
+    typed at a prompt."""
+    import threading
+    from mldebug.view import state
+    from mldebug.view.prompt import LineSource
+    hub = state.Hub()
+    out = io.StringIO()
+    source = LineSource(hub, stdin=io.StringIO(""), stdout=out, prompt="(mldebug) ")
+    out.write("(mldebug) ")                       # what cmd.Cmd draws before readline()
+    # stdin ends first (an empty stream), the page's Continue comes a moment later
+    threading.Timer(0.3, hub.commands.put, args=("c",)).start()
+    assert source.readline() == "c\n"
+    text = out.getvalue()
+    assert "mldebug: stdin is closed" in text
+    assert text.endswith("\n(mldebug) c   # from the browser view\n"), text
