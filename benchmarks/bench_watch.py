@@ -10,6 +10,10 @@ isfinite), repetition after repetition, and the median step time of each is prin
 ratio to plain. A step is zero_grad + forward + backward + optimizer step.
 Models: MLP 784-256-256-10 (batch 64, SGD), ResNet-18-like CNN (batch 16, 3x64x64, SGD
 with momentum), GPT-like transformer (6 layers, d=512, 8 heads, seq 128, batch 8, AdamW).
+The last line is the cost of the DataLoader bookkeeping the watch keeps to name a bad
+sample's dataset index (watch/data_origin.py): time per batch of a shuffled DataLoader
+over MLP-sized batches with it and without, as a share of the MLP step, and the tensor ops
+it adds (none: it keeps references and indices).
 --compile runs each model as `torch.compile(model)` and prints, besides the ratios, dynamo's
 counts (machine-independent): graph breaks and the graphs compiled in all, which stay
 those of the plain compiled step when nothing mldebug installs enters a compiled graph
@@ -219,6 +223,54 @@ def measure(name, device, reps, warmup=2, steps_per_rep=1, only=None, compiled=F
     return med
 
 
+def data_index_cost(reps):
+    """(extra seconds a batch, extra tensor ops a batch) of the watch's DataLoader
+    bookkeeping, batches of the MLP's size (64 x 784), shuffled, default collate."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from mldebug.watch import data_origin
+    batches = 50
+    data = TensorDataset(torch.randn(64 * batches, 784), torch.randint(0, 10, (64 * batches,)))
+    loader = DataLoader(data, batch_size=64, shuffle=True)
+
+    def epoch():
+        for _ in loader:
+            pass
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def ops(on):
+        Count.n = 0
+        if on:
+            data_origin.install()
+        try:
+            with Count():
+                epoch()
+        finally:
+            data_origin.uninstall()
+        return Count.n
+
+    times = {False: [], True: []}
+    order = random.Random(1)
+    for _ in range(reps):
+        for on in order.sample([False, True], 2):
+            if on:
+                data_origin.install()
+            try:
+                t0 = time.perf_counter()
+                epoch()
+                times[on].append(time.perf_counter() - t0)
+            finally:
+                data_origin.uninstall()
+    extra = (statistics.median(times[True]) - statistics.median(times[False])) / batches
+    return extra, (ops(True) - ops(False)) / batches
+
+
 def count_syncs(name, device):
     """Device syncs in one step, per variant (CUDA only), and the ops of a step."""
     import warnings
@@ -280,6 +332,7 @@ def main(argv=None):
           + (", compiled" if args.compile else ""))
     header = f"{'model':6} {'plain ms':>9} " + " ".join(f"{k:>15}" for k in only if k != "plain")
     print(header)
+    mlp_step = None
     for name in args.models.split(","):
         if args.compile:
             torch._dynamo.reset()
@@ -293,6 +346,13 @@ def main(argv=None):
             c = dynamo_utils.counters
             print(f"{name:6} dynamo: {sum(c['graph_break'].values())} graph breaks, "
                   f"{c['stats']['unique_graphs']} graphs compiled in all variants", flush=True)
+        if name == "mlp":
+            mlp_step = base
+    if mlp_step is not None:
+        extra, ops = data_index_cost(20 if args.quick else 60)
+        print(f"data index bookkeeping (DataLoader, batch 64x784): {extra * 1e6:+.1f} us a "
+              f"batch = {100 * extra / mlp_step:+.2f}% of the mlp step; {ops:+.0f} tensor "
+              "ops a batch", flush=True)
     if args.device.startswith("cuda"):
         for name in args.models.split(","):
             print(f"{name}: syncs per step {count_syncs(name, args.device)}", flush=True)

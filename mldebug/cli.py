@@ -334,6 +334,9 @@ def run(args) -> int:
         except OSError as exc:
             print(f"mldebug: error: --report {args.report!r}: {exc.strerror}", file=sys.stderr)
             return EXIT_USAGE
+    # one rank of several (torchrun): the ranks tell each other about stops (peers.py)
+    from . import peers as _peers
+    _peers.start(session)
     # DAP mode (mldebug/dap): under debugpy (--listen, or launched by a DAP client) stops
     # go to the client; no pdb prompt, breakpoint() and uncaught exceptions stay debugpy's.
     from . import dap as _dap
@@ -447,9 +450,9 @@ def _post_mortem(exc: BaseException, session: _session.Session, debugger) -> int
     stop = _records.Stop.from_exception(exc, _innermost_user_frame(tb))
     session.record(stop)
     if debugger is None or not session.wants("exception") or tb is None:
-        print(f"mldebug: stop: {stop.message}", file=sys.stderr, flush=True)
+        print(f"{stop.tag}mldebug: stop: {stop.message}", file=sys.stderr, flush=True)
         return status
-    debugger.message(f"mldebug: {stop.message}")
+    debugger.message(f"{stop.tag}mldebug: {stop.message}")
     debugger.message("  (post-mortem: the program has ended; `where`, `up`, `inspect NAME`, "
                      "`q` to quit)")
     debugger._current_stop = stop

@@ -134,7 +134,7 @@ class MLCommands(MLCommandSet):
         stack (so every local of the user's code is alive); `continue` returns into it.
         """
         self._current_stop = stop
-        self.message(f"mldebug: {stop.message}")
+        self.message(f"{stop.tag}mldebug: {stop.message}")
         if stop.reason == "interrupt":
             self.message("  (`inspect NAME`, `history`, `graph` work here; `c` continues; "
                          "Ctrl-C again ends the program)")
@@ -216,7 +216,7 @@ class MLCommands(MLCommandSet):
             stop = Stop.from_interrupt(frame, session.step)
             session.record(stop)
             self._current_stop = stop
-            self.message(f"mldebug: {stop.message}")
+            self.message(f"{stop.tag}mldebug: {stop.message}")
         super().user_line(frame)
         if self._end_by_interrupt:
             self._end_program_by_interrupt(frame)

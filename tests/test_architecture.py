@@ -25,6 +25,7 @@ LAYERS = [
     ("mldebug.view", 4),          # the front ends' pieces
     ("mldebug.dap", 4),
     ("mldebug.interrupt", 4),
+    ("mldebug.peers", 4),         # the ranks of a job telling each other about stops
     ("mldebug.prompt", 5),        # the prompt's ML commands and its IPython terminal
     ("mldebug.debugger", 6),      # the prompt
     ("mldebug.frontends", 7),     # which front end pauses a session none was set up for

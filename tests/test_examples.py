@@ -59,3 +59,15 @@ def test_healthy_example_runs_through_without_a_stop(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "final loss" in result.stdout
     assert read_report(report) == []
+
+
+def test_corrupt_record_names_its_dataset_index(tmp_path):
+    example = EXAMPLES / "corrupt_record.py"
+    report = tmp_path / "r.jsonl"
+    result = run_cli(["--batch", "--report", str(report), str(example)], timeout=180)
+    assert result.returncode == 3, result.stderr
+    (stop,) = read_report(report)
+    assert (stop["reason"], stop["stage"], stop["created"]) == ("nan", "forward", False)
+    assert stop["line"] == line_of(example, "pred = model(x)")
+    assert stop["data"]["variable"] == "x" and stop["data"]["dataset_indices"] == [77]
+    assert "loss" not in result.stdout

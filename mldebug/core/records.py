@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from . import frames as _frames
 
-REASONS = ("nan", "inf", "assertion", "exception", "breakpoint", "interrupt")
+REASONS = ("nan", "inf", "assertion", "exception", "breakpoint", "interrupt", "peer_stop")
 STAGES = ("forward", "backward", "optimizer", "other")
 
 
@@ -49,6 +49,8 @@ class Violation:
     step: Optional[int] = None     # training step if known
     assertion: str = ""            # assertion name for assertion violations
     text: str = ""                 # assertion message / hint
+    # came in with the data: {"variable", "rows", "dataset_indices"} (watch/data_origin.py)
+    data: Optional[dict] = None
 
     @property
     def count(self) -> int:
@@ -96,6 +98,8 @@ class Violation:
             made = "this op made it" if self.op else "made there"
             cause = f"; {made} from finite inputs" if self.created else (
                 f"; it came in through {self.culprit or 'an input'}, made outside the watched ops")
+            if self.data:
+                cause += f"; in the data: {data_text(self.data)}"
         return f"{what} {' '.join(where)} [{stage}]{cause}".replace("  ", " ")
 
 
@@ -127,12 +131,27 @@ class Stop:
     exception: str = ""            # 'ValueError: ...' for exception stops
     pause_file: str = ""           # where the debugger paused, when it differs from file:line
     pause_line: int = 0
+    data: Optional[dict] = None    # the sample it came in with: variable, rows, dataset_indices
+    # the rank of a multi-process job that stopped (all None for a single process)
+    rank: Optional[int] = None
+    local_rank: Optional[int] = None
+    world_size: Optional[int] = None
+    host: Optional[str] = None
+    # another rank's stop behind this one ({"rank", "file", "line", "message"}): the
+    # first stop of the job for a peer_stop, the rank a NaN came in from otherwise
+    peer: Optional[dict] = None
     # the engine's finding behind a NaN/Inf/assertion stop (`why`, the graph's marking,
     # the panels read it from here); not part of the report
     violation: Optional[Violation] = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict:
         return {f.name: _plain(getattr(self, f.name)) for f in _REPORTED}
+
+    @property
+    def tag(self) -> str:
+        """'[rank 1] ' in a multi-process job, else '': the start of every line that
+        tells of this stop."""
+        return f"[rank {self.rank}] " if self.rank is not None else ""
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), default=str)
@@ -181,6 +200,23 @@ class Stop:
         when = f" [step {step}]" if step is not None else ""
         return cls(reason="interrupt", message=f"interrupted (Ctrl-C){where}{when}",
                    file=file, line=line, function=function, step=step)
+
+
+def data_text(data: dict) -> str:
+    """'x row 7 (dataset index 77)': the sample a non-finite value came in with."""
+    what = data.get("variable") or "the batch"
+    rows, indices = data.get("rows"), data.get("dataset_indices")
+    if rows:
+        what += f" {'row' if len(rows) == 1 else 'rows'} {_few(rows)}"
+    if indices:
+        label = "dataset index" if len(indices) == 1 else "dataset indices"
+        what += f" ({label} {_few(indices)})"
+    return what
+
+
+def _few(values, most: int = 5) -> str:
+    shown = ", ".join(str(v) for v in values[:most])
+    return shown + (f" and {len(values) - most} more" if len(values) > most else "")
 
 
 def _plain(value):

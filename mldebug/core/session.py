@@ -17,6 +17,7 @@ from types import FrameType
 from typing import Callable, Optional
 
 from .break_on import DEFAULT_BREAK_ON
+from .ranks import expand_rank, this_rank
 from .records import BatchStop, Stop, Violation
 
 Pauser = Callable[[Stop, Optional[FrameType]], None]
@@ -24,16 +25,23 @@ StopListener = Callable[[Stop], None]
 
 
 class ReportWriter:
-    """A stop listener: appends every stop to PATH as one JSON line (--report)."""
+    """A stop listener: appends every stop to PATH as one JSON line (--report).
+
+    `{rank}` in PATH is the rank of a multi-process job (0 for one process). Each line
+    is one write() to a file opened for appending, so lines of several ranks sharing a
+    file never interleave."""
 
     def __init__(self, path: str, out=None):
-        self.path = os.path.abspath(path)
+        self.path = os.path.abspath(expand_rank(path))
         self.out = out or sys.stderr
 
     def __call__(self, stop: Stop) -> None:
         try:
-            with open(self.path, "a", encoding="utf-8") as fh:
-                fh.write(stop.to_json() + "\n")
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, (stop.to_json() + "\n").encode("utf-8"))
+            finally:
+                os.close(fd)
         except OSError as exc:  # never take the user's program down for a report
             print(f"mldebug: warning: cannot write the report {self.path}: "
                   f"{exc.strerror or exc}", file=self.out, flush=True)
@@ -79,6 +87,11 @@ class Session:
 
     def record(self, stop: Stop) -> None:
         """Keep STOP and tell every listener; a listener that fails is skipped."""
+        if stop.rank is None:
+            info = this_rank()
+            if info is not None:
+                stop.rank, stop.local_rank = info.rank, info.local_rank
+                stop.world_size, stop.host = info.world_size, info.host
         with self._lock:
             self.stops.append(stop)
             for listener in list(self.listeners):
@@ -105,7 +118,7 @@ class Session:
         """Record a stop and pause the active front end (or end the run in batch mode)."""
         self.record(stop)
         if self.batch:
-            print(f"mldebug: stop: {stop.message}", file=self.out, flush=True)
+            print(f"{stop.tag}mldebug: stop: {stop.message}", file=self.out, flush=True)
             if stop.reason != "breakpoint":
                 self.batch_stopped = True
                 raise BatchStop(stop.message)
@@ -113,7 +126,7 @@ class Session:
         if self.pauser is None and Session.default_pauser is not None:
             self.pauser = Session.default_pauser(self)
         if self.pauser is None:
-            print(f"mldebug: stop: {stop.message} (no front end to pause in)",
+            print(f"{stop.tag}mldebug: stop: {stop.message} (no front end to pause in)",
                   file=self.out, flush=True)
             return
         self.pauser(stop, frame)

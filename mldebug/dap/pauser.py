@@ -69,7 +69,7 @@ class DapPauser:
         if frame is None:
             frame = _frames.caller_user_frame(1) or sys._getframe(1)
         if not client_connected():
-            print(f"mldebug: stop: {stop.message} (no debugger client attached)",
+            print(f"{stop.tag}mldebug: stop: {stop.message} (no debugger client attached)",
                   file=self.session.out, flush=True)
             return
         exc_type = _exception_type(stop.reason)
@@ -84,7 +84,7 @@ class DapPauser:
                 import debugpy
                 debugpy.trigger_exception_handler((exc_type, exc, tb), as_uncaught=False)
         except Exception as error:  # noqa: BLE001 - a failed pause must not kill the program
-            print(f"mldebug: stop: {stop.message} (could not pause the debugger: "
+            print(f"{stop.tag}mldebug: stop: {stop.message} (could not pause the debugger: "
                   f"{type(error).__name__}: {error})", file=self.session.out, flush=True)
         finally:
             self.current = None

@@ -5,6 +5,7 @@ import pytest
 
 from .. import debugger as _debugger
 from ..core import session as _session
+from ._pytest_capture import capture_suspended
 from .wiring import Wiring
 
 
@@ -28,14 +29,8 @@ class MLDebugPytest:
     def _fail(self, stop, frame) -> None:
         """--mldebug-report: the stop is in the report (a session listener); the test
         fails here, inside the op, with the stop's line as its reason."""
-        pytest.fail(f"mldebug: {stop.message}", pytrace=False)
+        pytest.fail(f"{stop.tag}mldebug: {stop.message}", pytrace=False)
 
     def _prompt(self, stop, frame) -> None:
-        capture = self.config.pluginmanager.getplugin("capturemanager")
-        if capture is not None:
-            capture.suspend_global_capture(in_=True)
-        try:
+        with capture_suspended(self.config):
             _debugger.get_debugger(_session.current()).pause_at(stop, frame)
-        finally:
-            if capture is not None:
-                capture.resume_global_capture()

@@ -28,7 +28,11 @@ class MLDebugCallback(Callback):
                              run_dir=run_dir, run=run, break_on=break_on, report=report)
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        self.wiring.start(pl_module, step=trainer.global_step)
+        self.wiring.start(pl_module, step=trainer.global_step, recording=False)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # (a checkpoint's global step is restored by now, not yet at fit start)
+        self.wiring.start_recording(pl_module, step=trainer.global_step)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.wiring.step(trainer.global_step)

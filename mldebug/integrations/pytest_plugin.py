@@ -11,9 +11,15 @@ prompt reads the terminal instead of dying on captured stdin. With a report, not
 prompts: the stop is written to the file and the test fails, the others run on.
 
 Without either option the plugin does nothing, and mldebug and torch are not imported:
-the options are all it adds to every pytest run.
+the options are all it adds to every pytest run — except under `python -m mldebug -m
+pytest`, where mldebug's CLI already runs the watch and its prompt: then the plugin only
+suspends pytest's capture while that prompt runs, so it works without `-s`.
 """
 from __future__ import annotations
+
+import sys
+
+from ._pytest_capture import capture_suspended
 
 
 def pytest_addoption(parser):
@@ -29,8 +35,27 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     report = config.getoption("mldebug_report")
     if not (config.getoption("mldebug") or report):
+        _free_the_cli_prompt(config)
         return
     # (here, not at the top: a pytest run that does not ask for mldebug loads no torch)
     from ._pytest_session import MLDebugPytest
 
     config.pluginmanager.register(MLDebugPytest(config, report), "mldebug-session")
+
+
+def _free_the_cli_prompt(config) -> None:
+    """Under `python -m mldebug -m pytest` the CLI's prompt pauses a test: wrap it so that
+    pytest's capture lets go of the terminal meanwhile (it would die reading stdin)."""
+    # only if mldebug is loaded already (the CLI): a plain pytest run imports nothing
+    session_module = sys.modules.get("mldebug.core.session")
+    session = session_module.current_if_any() if session_module is not None else None
+    if session is None or session.pauser is None or session.batch:
+        return
+    pauser = session.pauser
+
+    def pause_with_capture_suspended(stop, frame):
+        with capture_suspended(config):
+            pauser(stop, frame)
+
+    session.pauser = pause_with_capture_suspended
+    config.add_cleanup(lambda: setattr(session, "pauser", pauser))

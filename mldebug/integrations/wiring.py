@@ -29,7 +29,9 @@ class Wiring:
         self._started: list = []       # what this wiring started, to close in reverse
         self._session = None
 
-    def start(self, model, step: Optional[int] = None) -> None:
+    def start(self, model, step: Optional[int] = None, recording: bool = True) -> None:
+        """Turn on what was asked; `recording=False` leaves the recording for
+        `start_recording` (Lightning restores a checkpoint's global step after fit starts)."""
         if self._started:
             return
         session = self._session = _session.current()
@@ -45,14 +47,22 @@ class Wiring:
             if self.watch and active_watch() is None and session.break_on & {"nan", "inf",
                                                                              "inf-all"}:
                 self._started.append(watch_session(session))
-            if self.record and model is not None and active_recorder() is None:
-                # (its steps count the optimizer's steps from here: the framework's
-                # global steps in a run that starts at step 0)
-                self._started.append(_record(model, every=self.every, run_dir=self.run_dir,
-                                             run=self.run))
+            if recording:
+                self.start_recording(model, step)
         except BaseException:
             self.close()
             raise
+
+    def start_recording(self, model, step: Optional[int] = None) -> None:
+        if self.record and model is not None and active_recorder() is None:
+            # its steps count the optimizer's steps from the framework's global step (a
+            # resumed run goes on numbering where it was)
+            try:
+                self._started.append(_record(model, every=self.every, run_dir=self.run_dir,
+                                             run=self.run, first_step=step or 0))
+            except BaseException:
+                self.close()
+                raise
 
     def step(self, number: int) -> None:
         """The framework's step number: on the stops that follow (`step` in the report)."""

@@ -15,6 +15,7 @@ from .. import watch as _watch
 from ..assertions import registry as _registry
 from ..assertions.runner import active_runner
 from ..core import break_on as _break_on
+from ..core.records import data_text
 from ..record.history import active_history, module_of_stop
 from ..summaries import describe
 
@@ -92,6 +93,9 @@ class MLCommandSet:
             self.message("  root cause: this op made the non-finite value from finite inputs")
         elif violation.created:       # seen after the fact (a compiled call, a sentinel)
             self.message(f"  root cause: {violation.text or 'made from finite inputs'}")
+        elif violation.data:
+            self.message(f"  it came in with the data: {data_text(violation.data)}, "
+                         f"through {violation.culprit or 'an input'} of this op")
         else:
             self.message(f"  it came in through {violation.culprit or 'an input'}: "
                          "made before the watched ops (data, a checkpoint, a constant)")

@@ -14,7 +14,8 @@
 What a step is
     By default a step ends at `optimizer.step()` of any optimizer that holds a parameter
     of the model (global optimizer hooks; several such optimizers stepping in a row end
-    one step each). Steps are numbered from 0. `rec.step()` ends a step by hand: its first
+    one step each). Steps are numbered from 0 (from `first_step=N` when a resumed run
+    starts recording at its global step N). `rec.step()` ends a step by hand: its first
     call turns the optimizer counting off (or pass `step="manual"`). Step N is recorded
     when N % every == 0 (or `every(N)` is true for a callable).
 
@@ -79,7 +80,7 @@ __all__ = ["record", "Recorder", "Capture", "Run", "open_run", "list_runs",
 def _record(model=None, log=LOGS, every=1, modules=None, children=None, condition=None,
            capture=(), run_dir="runs", run=None, note="", bins=30, sample=1024, clip=5.0,
            batch_dim=0, training_only=True, if_exists="replace", step="optimizer",
-           background=True) -> Recorder:
+           background=True, first_step=0) -> Recorder:
     """Start recording MODEL (or only scalars/named tensors when None); returns the
     running Recorder (a context manager; close() ends it)."""
     _check_run_dir(run_dir)
@@ -87,7 +88,7 @@ def _record(model=None, log=LOGS, every=1, modules=None, children=None, conditio
                     condition=condition, capture=capture, run_dir=run_dir, run=run,
                     note=note, bins=bins, sample=sample, clip=clip, batch_dim=batch_dim,
                     training_only=training_only, if_exists=if_exists, step=step,
-                    background=background).start()
+                    background=background, first_step=first_step).start()
 
 
 def _check_run_dir(run_dir) -> None:

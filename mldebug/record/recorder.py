@@ -65,7 +65,8 @@ class Recorder(CaptureHooks, StepWriting):
                  run_dir: str = "runs", run: Optional[str] = None, note: str = "",
                  bins: int = 30, sample: int = 1024, clip: Optional[float] = 5.0,
                  batch_dim: Optional[int] = 0, training_only: bool = True,
-                 if_exists: str = "replace", step: str = "optimizer", background: bool = True):
+                 if_exists: str = "replace", step: str = "optimizer", background: bool = True,
+                 first_step: int = 0):
         if model is not None and not isinstance(model, nn.Module):
             raise UsageError(f"record: model must be a torch.nn.Module or None, "
                              f"got {type(model).__name__}")
@@ -87,6 +88,8 @@ class Recorder(CaptureHooks, StepWriting):
         if if_exists not in ("replace", "new", "error"):
             raise UsageError(f"record: if_exists must be 'replace', 'new' or 'error', "
                              f"if_exists={if_exists!r}")
+        if isinstance(first_step, bool) or not isinstance(first_step, int) or first_step < 0:
+            raise UsageError(f"record: first_step must be an int >= 0, first_step={first_step!r}")
         if step not in ("optimizer", "manual"):
             raise UsageError(f"record: step must be 'optimizer' or 'manual', step={step!r}")
         if condition is not None and not callable(condition):
@@ -156,7 +159,9 @@ class Recorder(CaptureHooks, StepWriting):
         # core: a writer thread then runs instead of them, not beside them, and its GIL
         # hand-offs cost the step more than the commit (~80 µs) does
         self._commit_here = not background or not spare_core()
-        self.step_index = 0
+        # the number of the first step recorded: a framework's global step when a resumed
+        # run starts recording (the integrations' callbacks)
+        self.step_index = first_step
         self._after_step = False
         # f(step, {param name: (norm, grad norm)}) after each recorded step (history.py)
         self.norm_listeners: list = []

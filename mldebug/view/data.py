@@ -21,6 +21,7 @@ from ..summaries import budgeted as _v
 from ..summaries import slicing as _slicing
 from ..summaries import summary
 from ..core import session as _session
+from ..core.records import data_text
 
 MAX_SIDE = 400          # heatmap cells per side: about the plot's size in pixels
 GRAPH_ROWS_MAX = 1500   # module rows drawn in the graph (the rest is cut, with a note)
@@ -107,9 +108,11 @@ def banner_html(snapshot: dict) -> str:
     if stop:
         loc = f'{os.path.basename(stop.get("file") or "")}:{stop.get("line")}' if stop.get("file") else ""
         fields = [("reason", stop.get("reason")), ("op", stop.get("op")),
-                  ("module", stop.get("module")), ("at", loc), ("stage", stop.get("stage"))]
+                  ("module", stop.get("module")), ("at", loc), ("stage", stop.get("stage")),
+                  ("data", data_text(stop["data"]) if stop.get("data") else ""),
+                  ("rank", stop.get("rank"))]
         cells = " ".join(f"<span class='mld-field'><i>{k}</i> {html.escape(str(v))}</span>"
-                        for k, v in fields if v)
+                        for k, v in fields if v not in (None, ""))
         parts.append(f'<div class="mld-stop mld-reason-{html.escape(str(stop.get("reason")))}">'
                      f'<b>Stop:</b> {html.escape(stop.get("message") or "")}'
                      f'<div>{cells}</div></div>')

@@ -33,6 +33,7 @@ from ..core.compile import silence_global_hook_warning
 from ..core.errors import UsageError
 from . import backward_tier as _backward_tier
 from . import compiled as _compiled
+from . import data_origin as _data_origin
 from . import dispatch as _dispatch
 from . import module_tier as _module_tier
 from . import safe as _safe
@@ -159,6 +160,7 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, ModuleTier, BackwardTier, Compile
             _DYNAMO_MARKED = True
         silence_global_hook_warning()
         _compiled.install(active_watch)     # what torch.compile returns for a function
+        _data_origin.install()              # which dataset indices each batch holds
         self._mode = _Mode(self)
         self._mode.__enter__()
         try:
@@ -202,6 +204,7 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, ModuleTier, BackwardTier, Compile
             self._handles = []
             _autograd_patch.remove(self._around_backward)
             _compiled.uninstall()
+            _data_origin.uninstall()
             self._amp.stop()
             self._close_mode()
             self._t = TierState()

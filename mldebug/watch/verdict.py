@@ -22,6 +22,7 @@ from ..core import frames as _frames
 from ..core.errors import NonFiniteError
 from ..core.records import Violation
 from ..core.session import current
+from . import data_origin as _data_origin
 from . import tiers as _tiers
 from .amp import SCALER_OPS
 from .checks import (_ALLOWED, METADATA_KEY, _caller, _counts, _floating, _isfinite,
@@ -173,10 +174,6 @@ class Verdict:
         nan, posinf, neginf = counts
         out_nan = nan > 0
         self._judged += 1
-        try:
-            bad_ptr = bad.untyped_storage().data_ptr()
-        except Exception:
-            bad_ptr = None
         mutated_keys = {key for key, _ in info.mutated}
         rows = []              # (label, value, has_nan, has_inf, known, lineage)
         for label, value, key in self._inputs(info, args, kwargs, list_index):
@@ -184,12 +181,11 @@ class Verdict:
                 if not value.is_floating_point() or value.is_complex():
                     rows.append((label, value, False, False, True, False))
                     continue
-                in_place = key in mutated_keys and (
-                    value is bad or (bad_ptr is not None and bad_ptr and
-                                     value.untyped_storage().data_ptr() == bad_ptr))
-                if in_place:
-                    # the input IS the output: its state before the op is known only
-                    # through the taint of an earlier judged op (finite otherwise)
+                if key in mutated_keys:
+                    # the op wrote this input (the output itself, or another argument it
+                    # updates in place: a fused optimizer's exp_avgs): its values now are
+                    # not what the op read. Its state before is known only through the
+                    # taint of an earlier judged op (finite otherwise)
                     prior = self._taint_get(value)
                     has_nan, has_inf, lineage = prior if prior else (False, False, False)
                     rows.append((label, value, has_nan, has_inf, True, lineage))
@@ -215,6 +211,7 @@ class Verdict:
         nonfinite = [r for r in rows if r[2] or r[3]]
         lineage = any(r[5] for r in nonfinite)   # descends from a reported stop
         culprit = ""
+        culprit_value = None       # the input it came in through, when not made here
         text = ""
         stop = False
         if out_nan:
@@ -233,7 +230,7 @@ class Verdict:
                 created = False
                 if unknown:
                     stop = "nan" in self.break_on
-                    culprit = unknown[0][0]
+                    culprit, culprit_value = unknown[0][0], unknown[0][1]
         else:
             kind = "inf"
             if not nonfinite:
@@ -244,7 +241,7 @@ class Verdict:
                 unknown = [r for r in nonfinite if not r[4]]
                 if unknown and "inf-all" in self.break_on:
                     stop = True
-                    culprit = unknown[0][0]
+                    culprit, culprit_value = unknown[0][0], unknown[0][1]
         if stop and stage == "optimizer" and self._opt_stop_step == self._steps:
             stop = False   # one stop per optimizer step: the other parameters follow
         if stop and (info.name.startswith(SCALER_OPS) or (
@@ -282,7 +279,7 @@ class Verdict:
             return None
         if stage == "optimizer":
             self._opt_stop_step = self._steps
-        return Violation(
+        v = Violation(
             kind=kind, op=info.name, torch_op=torch_op, module=module,
             module_type=module_type, stage=stage, frame=frame, file=file, line=line,
             function=function, nan=nan, posinf=posinf, neginf=neginf, created=created,
@@ -292,6 +289,21 @@ class Verdict:
             param=param, node=node_name,
             step=self._steps if self._opt_seen else None, text=text,
         )
+        if stage == "forward" and culprit_value is not None:
+            self._name_the_data(v, culprit_value)
+        return v
+
+    @staticmethod
+    def _name_the_data(v, value) -> None:
+        """A value that came in from outside: if it is the data, say which sample, and
+        stop where the batch enters the model (data_origin.py)."""
+        found = _data_origin.describe(value, v.frame)
+        if found is None:
+            return
+        v.data, entry = found
+        if entry is not None and entry is not v.frame:
+            v.frame = entry
+            v.file, v.line, v.function = _frames.location(entry)
 
     # -- the tiers' verdicts ----------------------------------------------------------
     def _judge_step(self, optimizer, x, p, what, group, counts):

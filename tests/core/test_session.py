@@ -68,3 +68,30 @@ def test_report_is_one_json_object_per_line(tmp_path):
     session.record(Stop(reason="exception", message="b"))
     lines = (tmp_path / "r.jsonl").read_text().splitlines()
     assert [json.loads(line)["message"] for line in lines] == ["a", "b"]
+
+
+def test_a_stop_in_a_multi_rank_job_carries_its_rank_and_reports_to_its_file(
+        tmp_path, monkeypatch):
+    from mldebug.core import session as _session
+    from mldebug.core.records import Stop
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    session = _session.Session(report_path=str(tmp_path / "stops-{rank}.jsonl"))
+    stop = Stop(reason="nan", message="1 NaN")
+    session.record(stop)
+    assert (stop.rank, stop.local_rank, stop.world_size) == (1, 1, 2) and stop.host
+    assert stop.tag == "[rank 1] "
+    (line,) = (tmp_path / "stops-1.jsonl").read_text().splitlines()
+    assert '"rank": 1' in line and '"world_size": 2' in line
+
+
+def test_a_single_process_has_no_rank(monkeypatch):
+    from mldebug.core.records import Stop
+    from mldebug.core.session import Session
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    stop = Stop(reason="nan", message="1 NaN")
+    Session().record(stop)
+    assert stop.rank is None and stop.host is None and stop.tag == ""
+    assert stop.to_dict()["rank"] is None

@@ -100,3 +100,48 @@ def test_the_lightning_callback_changes_no_bit_and_reports_its_stops(write_progr
     assert (first["file"], first["line"], first["function"]) == (str(prog), marker_line(prog),
                                                                  "training_step")
     assert "weights" in buggy.stdout                        # `c` goes on to the end
+
+
+RESUMED = """
+    import sys
+    import torch
+    from torch import nn
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+    from mldebug.integrations.lightning import MLDebugCallback
+
+
+    class Model(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return ((self.net(x) - y) ** 2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+    torch.manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(64, 4), torch.randn(64, 1)), batch_size=8)
+    common = dict(accelerator="cpu", logger=False, enable_progress_bar=False,
+                  enable_model_summary=False, default_root_dir=sys.argv[1])
+    first = L.Trainer(max_steps=3, **common)
+    first.fit(Model(), data)
+    first.save_checkpoint(sys.argv[1] + "/at3.ckpt")
+    second = L.Trainer(max_steps=6, callbacks=[MLDebugCallback(record=True, every=1,
+                       run_dir=sys.argv[1], run="resumed")], **common)
+    second.fit(Model(), data, ckpt_path=sys.argv[1] + "/at3.ckpt")
+"""
+
+
+def test_a_recording_started_by_the_callback_numbers_steps_from_the_global_step(
+        write_program, tmp_path):
+    prog = write_program(RESUMED)
+    result = _python([prog, tmp_path])
+    assert result.returncode == 0, result.stderr
+    import mldebug
+    with mldebug.record.open_run(str(tmp_path / "resumed.sqlite")) as run:
+        assert run.steps() == [3, 4, 5]            # the resumed run's own global steps

@@ -78,3 +78,17 @@ def test_without_its_options_the_plugin_does_nothing(write_program):
     tests = write_program(USER_TESTS, "test_user_model.py")
     result = _pytest(tests)
     assert result.returncode == 0 and "3 passed" in result.stdout, result.stdout
+
+
+def test_under_the_cli_the_prompt_works_without_dash_s(write_program):
+    """`python -m mldebug -m pytest`: the CLI's prompt, with pytest's capture let go."""
+    tests = write_program(USER_TESTS, "test_user_model.py")
+    result = subprocess.run([sys.executable, "-m", "mldebug", "-m", "pytest", "-q", "-p",
+                             "no:cacheprovider", str(tests)], input="p x\nc\n",
+                            capture_output=True, text=True, cwd=tests.parent,
+                            env=clean_env(), timeout=300)
+    out = result.stdout
+    assert f"> {tests}({marker_line(tests)})test_a_log_of_a_negative()" in out
+    assert "tensor([ 1., -1.])" in out
+    assert "reading from stdin while output is captured" not in out + result.stderr
+    assert "3 passed" in out, out + result.stderr

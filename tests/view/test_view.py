@@ -529,3 +529,14 @@ def test_after_the_end_of_input_note_the_prompt_is_drawn_again_for_the_page_comm
     text = out.getvalue()
     assert "mldebug: stdin is closed" in text
     assert text.endswith("\n(mldebug) c   # from the browser view\n"), text
+
+
+def test_the_banner_names_the_sample_a_nan_came_in_with():
+    from mldebug.view.data import banner_html
+    stop = {"reason": "nan", "message": "16 NaN ...", "stage": "forward",
+            "data": {"variable": "batch['pixel_values']", "rows": [3, 9],
+                     "dataset_indices": [77, 120]}, "rank": 0}
+    html = banner_html({"mode": "prompt", "where": None, "stop": stop})
+    assert "<i>rank</i> 0" in html                         # rank 0 of a job is shown too
+    assert ("<i>data</i> batch[&#x27;pixel_values&#x27;] rows 3, 9 "
+            "(dataset indices 77, 120)") in html

@@ -30,10 +30,11 @@ TRAIN = """
 
 
     form = sys.argv[1]
+    mode = sys.argv[2] if len(sys.argv) > 2 else "default"
     torch.manual_seed(0)
     model = Net()
     if form == "torch.compile(model)":
-        run = torch.compile(model)
+        run = torch.compile(model, mode=mode)
     elif form == "model.compile()":
         model.compile()
         run = model
@@ -75,15 +76,20 @@ NAN_INSIDE = """
 """
 
 
-@pytest.mark.parametrize("form", ["torch.compile(model)", "model.compile()",
-                                  "torch.compile(function)"])
-def test_a_compiled_model_trains_as_without_mldebug(write_program, tmp_path, form):
+@pytest.mark.parametrize("form,mode", [
+    ("torch.compile(model)", "default"), ("model.compile()", "default"),
+    ("torch.compile(function)", "default"),
+    # on the CPU these compile without CUDA graphs; the point is that our hooks stay out
+    ("torch.compile(model)", "reduce-overhead"),
+    ("torch.compile(model)", "max-autotune-no-cudagraphs")])
+def test_a_compiled_model_trains_as_without_mldebug(write_program, tmp_path, form, mode):
     prog = write_program(TRAIN)
-    plain = subprocess.run([sys.executable, str(prog), form], capture_output=True,
+    plain = subprocess.run([sys.executable, str(prog), form, mode], capture_output=True,
                            text=True, env=clean_env(), timeout=300)
     assert plain.returncode == 0, plain.stderr
     report = tmp_path / "r.jsonl"
-    result = run_cli(["--batch", "--report", str(report), str(prog), form], timeout=300)
+    result = run_cli(["--batch", "--report", str(report), str(prog), form, mode],
+                     timeout=300)
     assert result.returncode == 0, result.stderr
     assert read_report(report) == []                        # no false stop
     # the same weights bit for bit, and dynamo compiled the same graphs with no break

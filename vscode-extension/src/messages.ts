@@ -19,7 +19,16 @@ export interface StopInfo {
   step?: number | null;
   pause_file?: string;         // where the debugger paused, when it differs from file:line
   pause_line?: number;
+  data?: DataOrigin | null;    // the sample a NaN/Inf came in with
+  rank?: number | null;        // the rank of a multi-process job that stopped
   [extra: string]: unknown;
+}
+
+/** The report's `data` key: the batch variable, its bad rows and their dataset indices. */
+export interface DataOrigin {
+  variable?: string | null;            // "x", "batch['pixel_values']"
+  rows?: number[] | null;
+  dataset_indices?: number[] | null;
 }
 
 /** What `summary` holds for one tensor: mldebug.summary.TensorSummary.to_dict(). */

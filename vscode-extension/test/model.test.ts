@@ -6,7 +6,7 @@ import * as frameFixture from './fixtures/frame.json';
 import * as sliceFixture from './fixtures/tensor_nan.json';
 import type { StopInfo, TensorEntry, TensorSlice, ToWebview } from '../src/messages';
 import { isFromWebview, isToWebview } from '../src/messages';
-import { INITIAL_STATE, bannerFor, bannerText, formatNumber, formatSummary, reduce, requestToRepeat, sliceSummary } from '../src/webview/model';
+import { INITIAL_STATE, bannerFor, bannerText, dataText, formatNumber, formatSummary, reduce, requestToRepeat, sliceSummary } from '../src/webview/model';
 
 const stop = stopFixture.stop as StopInfo;
 const tensors = frameFixture.tensors as TensorEntry[];
@@ -31,6 +31,13 @@ describe('stop message', () => {
     assert.deepEqual(bannerFor(null, { reason: 'breakpoint', file: '/ws/a.py', line: 3, function: 'step' }),
       { kind: 'paused', title: 'Paused', details: ['a.py:3 in step'], message: undefined });
     assert.equal(bannerFor({ reason: 'breakpoint', file: '/ws/a.py', line: 3 }, pause).title, 'Paused');
+  });
+  it('names the sample a NaN came in with', () => {
+    const withData = { ...stop, data: { variable: 'x', rows: [7], dataset_indices: [77] } };
+    assert.ok(bannerFor(withData, pause).details.includes('data x row 7 (dataset index 77)'));
+    assert.ok(bannerFor({ ...stop, rank: 0 }, pause).details.includes('rank 0'));
+    assert.equal(dataText({ variable: null, rows: [1, 2, 3, 4, 5, 6], dataset_indices: null }),
+      'the batch rows 1, 2, 3, 4, 5 and 1 more');
   });
   it('names other DAP reasons', () => {
     assert.equal(bannerFor(null, { reason: 'exception', description: 'ZeroDivisionError' }).title, 'Paused (exception)');

@@ -1,7 +1,7 @@
 // The Tensors panel's state and how each message from the extension changes it: pure
 // functions, no DOM (test/model.test.ts runs them in Node). The state is what the page
 // saves with setState, so it must stay plain JSON.
-import type { PauseInfo, StopInfo, TensorEntry, TensorRequest, TensorSlice, TensorSummary, ToWebview } from '../messages';
+import type { DataOrigin, PauseInfo, StopInfo, TensorEntry, TensorRequest, TensorSlice, TensorSummary, ToWebview } from '../messages';
 
 export type BannerKind = 'idle' | 'stop' | 'paused' | 'running' | 'ended';
 
@@ -61,6 +61,8 @@ export function bannerFor(stop: StopInfo | null, pause: PauseInfo): Banner {
       stop.stage && stop.stage !== 'other' ? `stage ${stop.stage}` : undefined,
       stop.step !== undefined && stop.step !== null ? `step ${stop.step}` : undefined,
       stop.assertion ? `assertion ${stop.assertion}` : undefined,
+      stop.data ? `data ${dataText(stop.data)}` : undefined,
+      typeof stop.rank === 'number' ? `rank ${stop.rank}` : undefined,
     ].filter((d): d is string => Boolean(d));
     const title = `Stopped: ${REASON_TITLES[stop.reason] ?? stop.reason}`;
     return { kind: 'stop', title, details, message: stop.message ?? undefined };
@@ -71,6 +73,21 @@ export function bannerFor(stop: StopInfo | null, pause: PauseInfo): Banner {
   const reason = stop?.reason ?? pause.reason;
   const title = PLAIN_PAUSES.has(reason) ? 'Paused' : `Paused (${reason})`;
   return { kind: 'paused', title, details, message: stop?.message ?? pause.description ?? undefined };
+}
+
+/** "x row 7 (dataset index 77)", as mldebug's own line says it (core/records.py). */
+export function dataText(data: DataOrigin): string {
+  const few = (values: number[]) => values.slice(0, 5).join(', ')
+    + (values.length > 5 ? ` and ${values.length - 5} more` : '');
+  let text = data.variable || 'the batch';
+  if (data.rows && data.rows.length) {
+    text += ` ${data.rows.length === 1 ? 'row' : 'rows'} ${few(data.rows)}`;
+  }
+  const indices = data.dataset_indices;
+  if (indices && indices.length) {
+    text += ` (${indices.length === 1 ? 'dataset index' : 'dataset indices'} ${few(indices)})`;
+  }
+  return text;
 }
 
 /** The banner as one line of text. */

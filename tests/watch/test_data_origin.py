@@ -1,0 +1,262 @@
+"""A NaN that came in with the data is named by its sample: the variable at the user's
+line where the batch enters the model, the rows of the batch, and the dataset indices of
+those rows — through real DataLoaders (workers, shuffling, custom collate, dicts) driven
+by the CLI as a user runs it."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from conftest import marker_line, read_report, run_cli
+
+# The label of every record is its own index, so at a stop `y[rows]` tells, independently
+# of mldebug, which dataset indices the bad rows are.
+PROGRAM = """
+    import sys
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, Dataset
+
+    KIND = sys.argv[1]          # tuple | dict | dict-collate
+    WORKERS = int(sys.argv[2])
+
+
+    class Records(Dataset):
+        def __init__(self):
+            g = torch.Generator().manual_seed(0)
+            self.x = torch.randn(200, 8, generator=g)
+            self.x[77, 3] = float("nan")        # one corrupt record
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            y = torch.tensor([float(i)])
+            if KIND.startswith("dict"):
+                return {"pixel_values": self.x[i], "label": y}
+            return self.x[i], y
+
+
+    def collate(items):          # a custom collate_fn returning a dict
+        return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 1)
+
+        def forward(self, x):
+            return self.fc2(torch.relu(self.fc1(x)))
+
+
+    def train_step(model, opt, batch):
+        pred = model(batch["pixel_values"])  # here dict
+        loss = nn.functional.mse_loss(pred, batch["label"] * 0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(Records(), batch_size=16, shuffle=True, num_workers=WORKERS,
+                        collate_fn=collate if KIND == "dict-collate" else None)
+    for epoch in range(2):
+        for batch in loader:
+            if KIND.startswith("dict"):
+                train_step(model, opt, batch)
+                continue
+            x, y = batch
+            pred = model(x)  # here tuple
+            loss = nn.functional.mse_loss(pred, y * 0)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    print("done")
+"""
+
+
+def test_a_corrupt_record_is_named_by_its_dataset_index_through_workers_and_shuffling(
+        write_program, tmp_path):
+    prog = write_program(PROGRAM)
+    report = tmp_path / "r.jsonl"
+    # at the stop, the user checks the rows by hand: which rows hold a NaN, and their labels
+    commands = ("why\n"
+                "p 'rows', x.isnan().any(1).nonzero().flatten().tolist()\n"
+                "p 'labels', y[x.isnan().any(1)].flatten().tolist()\n"
+                "q\n")
+    r = run_cli(["--report", str(report), str(prog), "tuple", "2"], stdin=commands,
+                timeout=180)
+    (stop,) = read_report(report)
+    assert (stop["reason"], stop["stage"], stop["created"]) == ("nan", "forward", False)
+    # it stops at the line where the batch enters the model, not inside Net.forward
+    assert (stop["line"], stop["function"]) == (marker_line(prog, "# here tuple"), "<module>")
+    rows = re.search(r"\('rows', (\[[\d, ]*\])\)", r.stdout).group(1)
+    assert stop["data"] == {"variable": "x", "rows": json.loads(rows), "dataset_indices": [77]}
+    assert "('labels', [77.0])" in r.stdout
+    assert re.search(r"in the data: x row \d+ \(dataset index 77\)", stop["message"])
+    # `why` says it came in with the data, and which sample
+    assert re.search(r"it came in with the data: x row \d+ \(dataset index 77\)", r.stdout)
+
+
+@pytest.mark.parametrize("kind", ["dict", "dict-collate"])
+def test_a_dict_batch_names_its_key_at_the_users_step_function(write_program, tmp_path, kind):
+    prog = write_program(PROGRAM)
+    report = tmp_path / "r.jsonl"
+    r = run_cli(["--batch", "--report", str(report), str(prog), kind, "2"], timeout=180)
+    assert r.returncode == 3, r.stderr
+    (stop,) = read_report(report)
+    assert (stop["line"], stop["function"]) == (marker_line(prog, "# here dict"), "train_step")
+    data = stop["data"]
+    assert data["variable"] == "batch['pixel_values']"
+    assert data["dataset_indices"] == [77] and len(data["rows"]) == 1
+    assert "in the data: batch['pixel_values'] row" in r.stderr
+
+
+def test_without_workers_too_and_a_copy_to_another_dtype_is_still_the_batch(
+        write_program, tmp_path):
+    # the model runs in float64: `x.double()` is a copy, matched by its NaN positions
+    source = PROGRAM.replace("pred = model(x)  # here tuple",
+                             "model.double()\n            pred = model(x.double()).float()  # here tuple")
+    prog = write_program(source)
+    report = tmp_path / "r.jsonl"
+    r = run_cli(["--batch", "--report", str(report), str(prog), "tuple", "0"], timeout=180)
+    assert r.returncode == 3, r.stderr
+    (stop,) = read_report(report)
+    assert stop["line"] == marker_line(prog, "# here tuple")
+    assert stop["data"]["variable"] is None or stop["data"]["variable"] == "x"
+    assert stop["data"]["dataset_indices"] == [77]
+
+
+CHECKPOINT = """
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")       # a corrupt checkpoint, not the data
+    w = model.weight
+    x = torch.randn(3, 4)
+    model(x)  # here
+"""
+
+
+def test_a_corrupt_parameter_is_no_data(write_program, tmp_path):
+    prog = write_program(CHECKPOINT)
+    report = tmp_path / "r.jsonl"
+    r = run_cli(["--batch", "--report", str(report), str(prog)])
+    assert r.returncode == 3, r.stderr
+    (stop,) = read_report(report)
+    assert stop["created"] is False and stop["data"] is None
+    assert "in the data" not in stop["message"]
+
+
+def test_a_nan_made_by_an_op_is_no_data(write_program, tmp_path):
+    prog = write_program("""
+        import torch
+        x = -torch.ones(4)
+        y = torch.log(x)  # here
+    """)
+    report = tmp_path / "r.jsonl"
+    r = run_cli(["--batch", "--report", str(report), str(prog)])
+    assert r.returncode == 3, r.stderr
+    (stop,) = read_report(report)
+    assert stop["created"] is True and stop["data"] is None
+
+
+def test_the_bookkeeping_is_installed_only_while_a_watch_runs():
+    from torch.utils.data import dataloader
+
+    import mldebug
+    from mldebug.watch import data_origin
+    base = dataloader._BaseDataLoaderIter
+    torch_own = (base.__next__, base._next_index, base._reset)
+    data = TensorDataset(torch.arange(40.).reshape(20, 2))
+    with mldebug.watch(action="raise"):
+        assert base.__next__ is not torch_own[0]
+        batches = list(DataLoader(data, batch_size=8, shuffle=True))
+        noted = list(data_origin._ring)[-3:]
+        for batch, note in zip(batches, noted):
+            # the indices noted are the rows' own (each row holds 2*index, 2*index+1)
+            assert [int(v) // 2 for v in batch[0][:, 0]] == note.indices
+            assert note.tensors[0][1]() is batch[0]          # a reference, not a copy
+    assert (base.__next__, base._next_index, base._reset) == torch_own
+    assert not data_origin._ring
+
+
+def test_an_iterator_with_workers_started_before_the_watch_gets_no_indices():
+    import mldebug
+    from mldebug.watch import data_origin
+    data = TensorDataset(torch.arange(40.).reshape(20, 2))
+    it = iter(DataLoader(data, batch_size=4, shuffle=True, num_workers=2))
+    first = next(it)
+    with mldebug.watch(action="raise"):
+        second = next(it)          # its indices were drawn (prefetched) before the watch
+        (note,) = list(data_origin._ring)
+        assert note.indices is None and note.tensors[0][1]() is second[0]
+    del first, it
+
+
+LIGHTNING = """
+    import torch
+    from torch import nn
+    import lightning as L
+    from torch.utils.data import DataLoader, Dataset
+
+
+    class Records(Dataset):
+        def __init__(self):
+            g = torch.Generator().manual_seed(0)
+            self.x = torch.randn(128, 4, generator=g)
+            self.x[77, 1] = float("inf")          # one corrupt record (an Inf)
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            return self.x[i], torch.zeros(1)
+
+
+    class Model(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            out = self.net(x)  # here
+            return ((out - y) ** 2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+    if __name__ == "__main__":
+        torch.manual_seed(0)
+        trainer = L.Trainer(max_epochs=1, accelerator="cpu", logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)
+        trainer.fit(Model(), DataLoader(Records(), batch_size=16, shuffle=True, num_workers=2))
+"""
+
+
+def test_lightning_with_workers_names_the_sample_in_training_step(write_program, tmp_path):
+    """Lightning fetches a batch ahead and moves it to the device: the sample is still
+    named, at the user's `training_step` line."""
+    pytest.importorskip("lightning")
+    prog = write_program(LIGHTNING)
+    report = tmp_path / "r.jsonl"
+    r = run_cli(["--batch", "--break-on", "nan,inf-all", "--report", str(report), str(prog)],
+                timeout=300)
+    assert r.returncode == 3, r.stderr
+    (stop,) = read_report(report)
+    assert (stop["reason"], stop["stage"]) == ("inf", "forward")
+    assert (stop["line"], stop["function"]) == (marker_line(prog), "training_step")
+    assert stop["data"]["variable"] == "x" and stop["data"]["dataset_indices"] == [77]
