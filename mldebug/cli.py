@@ -352,7 +352,10 @@ def run(args) -> int:
         pass  # no pdb: the DAP client is the user interface
     elif not args.batch:
         debugger = _debugger.get_debugger(session, plain=True if args.plain else None)
-        session.pauser = debugger.pause_at
+        # (a rank of a multi-process job whose terminal cannot show the prompt serves it
+        # on a socket for `mldebug attach`; otherwise it is the debugger's own)
+        from .remote_prompt import RemotePrompt
+        session.pauser = RemotePrompt(debugger)
         debugger.rcLines.extend(args.commands)
         debugger.program_code = program.code
     elif args.commands:
@@ -469,6 +472,9 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["runs"]:  # python -m mldebug runs DIR (mldebug/record/runs_command.py)
         from .record.runs_command import runs_main
         sys.exit(runs_main(argv[1:]))
+    if argv[:1] == ["attach"]:  # python -m mldebug attach HOST:PORT (mldebug/attach.py)
+        from .attach import attach_main
+        sys.exit(attach_main(argv[1:]))
     parser = build_parser()
     own, program_args = split_argv(argv)
     args = parser.parse_args(own)

@@ -10,6 +10,7 @@ All output goes through `message()` / `error()`; commands never raise.
 from __future__ import annotations
 
 import bdb
+import cmd
 import os
 import pdb
 import sys
@@ -87,7 +88,10 @@ class MLCommands(MLCommandSet):
 
     def _cmdloop_of_frontend(self, intro=None):
         # While a browser view runs, the prompt reads from the terminal AND the page's
-        # buttons (mldebug/view/prompt.py); without one, the usual loop.
+        # buttons (mldebug/view/prompt.py); without one, the usual loop. A prompt served
+        # on a socket (remote_prompt.py) reads `self.stdin`: cmd.Cmd's own loop.
+        if getattr(self, "remote_prompt", False):
+            return cmd.Cmd.cmdloop(self, intro)
         while True:
             if _view.running() is not None:
                 self._in_view_cmdloop = True

@@ -15,7 +15,17 @@ once the program initialised it; never a server of our own).
     waits (a few seconds at most) until the others have written their line, before the
     launcher tears the job down.
   - interactively: one line, `[rank 0] waiting: rank 1 stopped at train.py:18 (NaN from
-    aten.div)`.
+    aten.div)`, and the rank holds at its next step boundary (the start of a backward —
+    before DDP's gradient all-reduce — or an optimizer step) until the stopped rank's
+    prompt continues; `quit` there ends every rank (status 0, as the stopped rank's).
+    A rank already inside a collective stays there (the process group's timeout still
+    counts for it). One prompt at a time on a host's terminal: a rank that stops while
+    another's prompt is open says so and waits its turn.
+
+Keys (under mldebug/<run id>/<restart>/): `first_stop` (compare-and-set: the job's first
+stop), `acks` / `first_stop_done` (--batch's exit handshake), `pauses` (a counter),
+`pause/<n>` (a prompt opened: who, where) and `resume/<n>` ('continue' or 'quit'),
+`tty/<host>` (the rank whose prompt has the terminal).
 """
 from __future__ import annotations
 
@@ -28,12 +38,16 @@ import time
 from datetime import timedelta
 from typing import Optional
 
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .core import autograd_patch as _autograd_patch
 from .core import session as _session
 from .core.ranks import RankInfo, this_rank
 from .core.records import Stop
 
 FIRST = "first_stop"
 ACKS = "acks"
+PAUSES = "pauses"
 DONE = "first_stop_done"   # the first stop's rank wrote its line and may be terminated
 GRACE_S = 3.0        # how long a stop this rank did not make waits for a peer's own
 ACK_WAIT_S = 5.0     # how long a --batch stop waits for the others to write their line
@@ -94,13 +108,20 @@ class Peers:
         self._lock = threading.Lock()
         self._publisher = None        # the main thread's client (the watcher has its own)
         self._own_stop = False
+        self._ending = False          # --batch: a peer's stop is ending this rank
         self._posted_first = False
-        self._told = False
         self.first: Optional[dict] = None
+        self._holding = False         # a peer's prompt is open: hold at the next boundary
+        self._my_pause: Optional[int] = None
         session.listeners.insert(0, self._before_report)   # annotates what is reported
         session.add_listener(self._after_report)
-        self._thread = threading.Thread(target=self._watch, name="mldebug-peers",
-                                        daemon=True)
+        if not session.batch:
+            session.pause_listeners.append(self._pausing)
+            session.resume_listeners.append(self._resumed)
+            register_optimizer_step_pre_hook(self._at_optimizer_step)
+            _autograd_patch.add(self._around_backward)
+        watch = self._watch if session.batch else self._watch_pauses
+        self._thread = threading.Thread(target=watch, name="mldebug-peers", daemon=True)
         self._thread.pydev_do_not_trace = True
         self._thread.is_pydev_daemon_thread = True
         self._thread.start()
@@ -119,6 +140,8 @@ class Peers:
                 stop.reason == "breakpoint" and self.session.batch):
             return
         with self._lock:
+            if self._ending:
+                return       # a peer's stop is ending this rank already (_peer_stopped)
             self._own_stop = True
         store = self._store()
         if store is None:
@@ -158,20 +181,27 @@ class Peers:
 
     @staticmethod
     def _wait_first(store, seconds: float) -> Optional[dict]:
+        # polled: a store wait that times out prints c10d's warnings on stderr
+        deadline = time.monotonic() + seconds
         try:
-            store.wait([FIRST], timedelta(seconds=seconds))
+            while not store.check([FIRST]):
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(0.05)
             value = store.get(FIRST).decode("utf-8")
             return json.loads(value) if value else None
-        except Exception:  # noqa: BLE001 - none came in time
+        except Exception:  # noqa: BLE001 - no store
             return None
 
     def _after_report(self, stop: Stop) -> None:
-        """--batch, this rank's stop is the job's first: let the others write their line
-        before this rank exits (the launcher then stops them)."""
-        if not (self.session.batch and self._posted_first) or stop.reason == "breakpoint":
+        """--batch: this rank's line is written. Say so; when its stop is the job's
+        first, let the others write theirs before it exits (the launcher stops the rest
+        of the job when one rank exits)."""
+        if not self.session.batch or stop.reason in ("breakpoint", "peer_stop") \
+                or not self._own_stop:
             return
-        # this rank is on its way out with --batch's status (BatchStop); the others exit
-        # first and the launcher then sends SIGTERM: ignored, so that it does not turn
+        # this rank is on its way out with --batch's status (BatchStop); when another
+        # rank exits first the launcher sends SIGTERM: ignored, so that it does not turn
         # that status into a kill (a Python handler would not do: the interpreter's
         # shutdown resets it to the default; SIG_IGN it keeps)
         try:
@@ -179,6 +209,10 @@ class Peers:
         except ValueError:   # not the main thread: the launcher's signal then ends it
             pass
         store = self._store()
+        if not self._posted_first:
+            if store is not None:
+                _ack(store)
+            return
         deadline = time.monotonic() + ACK_WAIT_S
         try:
             while store is not None and time.monotonic() < deadline:
@@ -194,26 +228,100 @@ class Peers:
                 except Exception:  # noqa: BLE001
                     pass
 
+    # -- interactively: this rank's prompt, the others hold ----------------------------
+    def _pausing(self, stop: Stop) -> None:
+        """Right before this rank's prompt opens: take the host's terminal (one prompt
+        at a time), then tell the others to hold."""
+        store = self._store()
+        if store is None:
+            return
+        me, told = str(self.info.rank), False
+        try:
+            while True:
+                holder = store.compare_set(self._tty, "", me).decode("utf-8")
+                if holder == me:
+                    break
+                if not told:
+                    print(f"{self.info.tag}mldebug: rank {holder}'s prompt has the terminal; "
+                          "this rank's opens when it continues", file=self.session.out,
+                          flush=True)
+                    told = True
+                time.sleep(0.1)
+            self._my_pause = store.add(PAUSES, 1)
+            store.set(f"pause/{self._my_pause}", json.dumps(
+                {"rank": self.info.rank, "file": stop.file, "line": stop.line,
+                 "reason": stop.reason, "op": stop.op, "message": stop.message,
+                 "assertion": stop.assertion}))
+        except Exception:  # noqa: BLE001 - the store is gone: this rank is on its own
+            self._my_pause = None
+
+    def _resumed(self, stop: Stop, ended: bool) -> None:
+        store, pause, self._my_pause = self._store(), self._my_pause, None
+        if store is None or pause is None:
+            return
+        try:
+            store.set(f"resume/{pause}", "quit" if ended else "continue")
+            store.compare_set(self._tty, str(self.info.rank), "")
+        except Exception:  # noqa: BLE001
+            pass
+
+    @property
+    def _tty(self) -> str:
+        return f"tty/{self.info.host}"
+
+    def _at_optimizer_step(self, optimizer, args, kwargs) -> None:
+        self._hold()
+
+    def _around_backward(self, proceed, tensors, grad_tensors, args, kwargs):
+        self._hold()       # before the backward's gradient collectives
+        return proceed(tensors, grad_tensors, *args, **kwargs)
+
+    def _hold(self) -> None:
+        while self._holding:
+            time.sleep(0.05)
+
+    def _watch_pauses(self) -> None:
+        """Every prompt opened on another rank: hold until it continues; end with it."""
+        store = self._connect_when_possible()
+        number = 1
+        while store is not None:
+            value = _wait_get(store, f"pause/{number}")
+            if value is None:
+                return
+            pause = json.loads(value)
+            if pause.get("rank") != self.info.rank:
+                self._holding = True
+                print(f"{self.info.tag}waiting: {describe_first(pause)}",
+                      file=self.session.out, flush=True)
+                outcome = _wait_get(store, f"resume/{number}")
+                if outcome == "quit":
+                    print(f"{self.info.tag}mldebug: rank {pause.get('rank')} ended the "
+                          "program at its prompt; ending this rank too",
+                          file=self.session.out, flush=True)
+                    _flush_and_exit(0)
+                self._holding = False
+                if outcome is None:
+                    return
+            number += 1
+
     # -- another rank stops ------------------------------------------------------------
-    def _watch(self) -> None:
-        store = None
-        while store is None:
+    @staticmethod
+    def _connect_when_possible():
+        while True:
             try:
                 store = _connect()
             except Exception:  # noqa: BLE001 - the launcher's store is gone: nothing to do
-                return
-            if store is None:
-                time.sleep(0.5)    # until the program initialises torch.distributed
-        while True:
-            try:
-                store.wait([FIRST], timedelta(days=1))
-                value = store.get(FIRST).decode("utf-8")
-            except Exception as exc:  # noqa: BLE001
-                if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
-                    continue
-                return             # the store closed: the job is ending
-            if value:
-                break
+                return None
+            if store is not None:
+                return store
+            time.sleep(0.5)    # until the program initialises torch.distributed
+
+    def _watch(self) -> None:
+        """--batch: the job's first stop, when it is another rank's, ends this rank."""
+        store = self._connect_when_possible()
+        value = _wait_get(store, FIRST) if store is not None else None
+        if not value:
+            return
         first = json.loads(value)
         if first.get("rank") == self.info.rank:
             return
@@ -221,18 +329,12 @@ class Peers:
         self._peer_stopped(store, first)
 
     def _peer_stopped(self, store, first: dict) -> None:
-        line = f"{self.info.tag}"
         with self._lock:
-            own = self._own_stop
-        if not self.session.batch:
-            if not own:
-                print(f"{line}waiting: {describe_first(first)}", file=self.session.out,
-                      flush=True)
-            return
-        if own:
-            # this rank stopped too: its own stop ends it (exit 3); only say it has seen
-            _ack(store)
-            return
+            if self._own_stop:
+                # this rank stopped too: its own stop ends it (exit 3), and says so to
+                # the first rank once its line is written (_after_report)
+                return
+            self._ending = True
         stop = Stop(reason="peer_stop", message=describe_first(first) + ": "
                     + (first.get("message") or ""), file=first.get("file") or "",
                     line=first.get("line") or 0, stage=first.get("stage") or "other",
@@ -243,20 +345,40 @@ class Peers:
                   flush=True)
         finally:
             _ack(store)
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except Exception:  # noqa: BLE001
-                    pass
             # the launcher terminates the others when one rank exits: not before the
             # stopped rank has written its own line
+            deadline = time.monotonic() + ACK_WAIT_S
             try:
-                store.wait([DONE], timedelta(seconds=ACK_WAIT_S))
+                while not store.check([DONE]) and time.monotonic() < deadline:
+                    time.sleep(0.05)
             except Exception:  # noqa: BLE001
                 pass
             # the main thread may be blocked in a collective the stopped rank will never
             # join: end here, with --batch's status for a stop
-            os._exit(EXIT_PEER_STOP)
+            _flush_and_exit(EXIT_PEER_STOP)
+
+
+def _wait_get(store, key: str) -> Optional[str]:
+    """KEY's value once some rank sets it; None when the store is gone (the job ends)."""
+    while True:
+        try:
+            # (a day: a wait that times out prints c10d's warnings; this one is re-armed)
+            store.wait([key], timedelta(days=1))
+            return store.get(key).decode("utf-8")
+        except Exception as exc:  # noqa: BLE001
+            if "timeout" not in str(exc).lower():
+                return None
+
+
+def _flush_and_exit(status: int) -> None:
+    """End this rank from the peers' thread: the main thread may be blocked in a
+    collective that will never complete."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(status)
 
 
 def _ack(store) -> None:

@@ -30,6 +30,8 @@ LAYERS = [
     ("mldebug.debugger", 6),      # the prompt
     ("mldebug.frontends", 7),     # which front end pauses a session none was set up for
     ("mldebug.integrations", 7),  # framework callbacks: the engines started from inside
+    ("mldebug.remote_prompt", 7),  # a rank's prompt on a socket when its terminal is hidden
+    ("mldebug.attach", 7),        # ... and its client, `python -m mldebug attach HOST:PORT`
     ("mldebug.cli", 8),
     ("mldebug.__main__", 9),
     ("mldebug", 9),               # the package face

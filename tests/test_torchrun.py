@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import clean_env, marker_line, read_report
 
 TRAIN = """
@@ -42,8 +44,10 @@ TRAIN = """
         opt.zero_grad()
         loss.backward()
         opt.step()
-    print(f"rank {rank} weights",
-          [p.detach().double().sum().item().hex() for p in model.parameters()], flush=True)
+    # one write: the ranks share the launcher's stdout
+    sys.stdout.write(f"rank {rank} weights "
+                     f"{[p.detach().double().sum().item().hex() for p in model.parameters()]}\\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 """
 
@@ -113,3 +117,163 @@ def test_a_clean_two_rank_run_is_bitwise_the_run_without_mldebug(write_program, 
     # `{rank}` in --report: one file a rank, both empty
     assert [p.name for p in sorted(tmp_path.glob("r-*.jsonl"))] == ["r-0.jsonl", "r-1.jsonl"]
     assert all(read_report(p) == [] for p in tmp_path.glob("r-*.jsonl"))
+
+
+WRAPPERS = """
+    import sys
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    mode = sys.argv[1]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+        for layer in net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        model = fully_shard(net)
+    else:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(net, find_unused_parameters=mode == "unused", static_graph=mode == "static")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(4):
+        for micro in range(2):
+            x, y = torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
+            if mode == "nosync" and micro == 0:
+                with model.no_sync():
+                    ((model(x) - y) ** 2).mean().backward()
+                continue
+            ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+    sys.stdout.write(f"rank {rank} weights {[p.detach().double().sum().item().hex() for p in full]}\\n")
+    sys.stdout.flush()
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "unused", "static", "nosync"])
+def test_fsdp_and_ddp_options_run_clean_and_bitwise(write_program, tmp_path, mode):
+    """FSDP2 (`fully_shard`, on CPU with gloo), DDP with find_unused_parameters,
+    static_graph and gradient accumulation under no_sync(), with AdamW: no false stop,
+    the same bits as without mldebug."""
+    prog = write_program(WRAPPERS)
+    plain = _torchrun([prog, mode], cwd=tmp_path)
+    assert plain.returncode == 0, plain.stderr
+    watched = _torchrun(["-m", "mldebug", "--batch", "--report", tmp_path / "r.jsonl", prog,
+                         mode], cwd=tmp_path)
+    assert watched.returncode == 0, watched.stderr
+    assert read_report(tmp_path / "r.jsonl") == []
+    weights = lambda out: sorted(l for l in out.splitlines() if " weights " in l)  # noqa: E731
+    assert weights(watched.stdout) == weights(plain.stdout) and len(weights(plain.stdout)) == 2
+
+
+PAUSE = """
+    import sys
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(8, 4)
+        loss = model(x).pow(2).mean()
+        if rank == 1 and step == 1:
+            bad = torch.log(-torch.ones(1))  # here
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    sys.stdout.write(f"rank {rank} weights {[p.detach().sum().item() for p in model.parameters()]}\\n")
+    sys.stdout.flush()
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("command", ["c", "q"])
+def test_interactively_rank_1_prompts_rank_0_waits_and_follows(write_program, tmp_path,
+                                                                 command):
+    """The pty a user has: rank 1's prompt, rank 0's waiting line; `inspect` works on
+    rank 1; `c` lets both ranks finish, `q` ends both (no stuck peer)."""
+    pexpect = pytest.importorskip("pexpect")
+    prog = write_program(PAUSE)
+    line = marker_line(prog)
+    child = pexpect.spawn(sys.executable, ["-m", "torch.distributed.run", "--standalone",
+                                           "--nproc-per-node", "2", "-m", "mldebug", str(prog)],
+                          cwd=str(tmp_path), env=clean_env(), encoding="utf-8", timeout=60,
+                          dimensions=(40, 200))
+    try:
+        child.expect(r"\[rank 1\] mldebug: 1 NaN from aten\.log")
+        seen = set()
+        while len(seen) < 2:        # the two ranks write to the terminal in any order
+            seen.add(child.expect([
+                r"\(mldebug\)",
+                rf"\[rank 0\] waiting: rank 1 stopped at prog\.py:{line} \(NaN from aten\.log\)"]))
+        child.sendline("inspect x")
+        child.expect(r"x: tensor\[8, 4\] f32")
+        child.sendline(command)
+        if command == "q":
+            child.expect(r"\[rank 0\] mldebug: rank 1 ended the program at its prompt")
+        child.expect(pexpect.EOF)
+        out = child.before
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+    finished = re.findall(r"rank (\d) weights", out)
+    assert sorted(finished) == (["0", "1"] if command == "c" else [])
+
+
+def test_a_rank_whose_output_is_filtered_serves_its_prompt_for_attach(write_program, tmp_path):
+    """`--local-ranks-filter 0` hides rank 1's output: its stop says, on the launcher's
+    terminal, how to reach its prompt; `mldebug attach` gets the prompt, `c` goes on."""
+    pexpect = pytest.importorskip("pexpect")
+    prog = write_program(PAUSE)
+    child = pexpect.spawn(sys.executable, ["-m", "torch.distributed.run", "--standalone",
+                                           "--nproc-per-node", "2", "--local-ranks-filter", "0",
+                                           "-m", "mldebug", str(prog)],
+                          cwd=str(tmp_path), env=clean_env(), encoding="utf-8", timeout=60,
+                          dimensions=(40, 200))
+    client = None
+    try:
+        child.expect(r"\[rank 1\] mldebug: this rank's output is not on this terminal; its "
+                     r"prompt: python -m mldebug attach (127\.0\.0\.1:\d+)")
+        client = pexpect.spawn(sys.executable, ["-m", "mldebug", "attach", child.match.group(1)],
+                               cwd=str(tmp_path), env=clean_env(), encoding="utf-8", timeout=30)
+        client.expect(rf"-> bad = torch\.log\(-torch\.ones\(1\)\)  # here")
+        client.expect(r"\(mldebug\) ")
+        client.sendline("inspect x")
+        client.expect(r"x: tensor\[8, 4\] f32")
+        client.sendline("c")
+        client.expect("the program goes on; this prompt closes")
+        client.expect(pexpect.EOF)
+        child.expect(pexpect.EOF)
+        out = child.before
+    finally:
+        child.close(force=True)
+        if client is not None:
+            client.close(force=True)
+    assert child.exitstatus == 0 and client.exitstatus == 0
+    assert "rank 0 weights" in out                  # rank 1's own output stays filtered
+
+
+def test_attach_says_what_is_wrong(tmp_path):
+    bad = subprocess.run([sys.executable, "-m", "mldebug", "attach", "nowhere"],
+                         capture_output=True, text=True, env=clean_env(), timeout=60)
+    assert bad.returncode == 2 and "expected HOST:PORT, got 'nowhere'" in bad.stderr
+    import socket
+    with socket.socket() as probe:              # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    gone = subprocess.run([sys.executable, "-m", "mldebug", "attach", f"127.0.0.1:{port}"],
+                          capture_output=True, text=True, env=clean_env(), timeout=60)
+    assert gone.returncode == 1 and f"cannot connect to 127.0.0.1:{port}" in gone.stderr

@@ -69,6 +69,11 @@ class Session:
         # pause(stop, frame) -> None, blocks until the user continues; set by a front end
         self.pauser: Optional[Pauser] = None
         self.listeners: list[StopListener] = []
+        # f(stop) right before the front end pauses for STOP, and f(stop, ended) when that
+        # pause is over: the user continued (ended False) or ended the program from it
+        # (quit, a second Ctrl-C: ended True). The other ranks of a job wait meanwhile.
+        self.pause_listeners: list[StopListener] = []
+        self.resume_listeners: list[Callable[[Stop, bool], None]] = []
         self.report_path = None
         if report_path:
             writer = ReportWriter(report_path, self.out)
@@ -129,7 +134,22 @@ class Session:
             print(f"{stop.tag}mldebug: stop: {stop.message} (no front end to pause in)",
                   file=self.out, flush=True)
             return
-        self.pauser(stop, frame)
+        for listener in list(self.pause_listeners):
+            listener(stop)
+        try:
+            self.pauser(stop, frame)
+        except BaseException:
+            self._resumed(stop, ended=True)
+            raise
+        self._resumed(stop, ended=False)
+
+    def _resumed(self, stop: Stop, ended: bool) -> None:
+        for listener in list(self.resume_listeners):
+            try:
+                listener(stop, ended)
+            except Exception as exc:  # noqa: BLE001 - a listener never ends the program
+                print(f"mldebug: warning: a resume listener failed: "
+                      f"{type(exc).__name__}: {exc}", file=self.out, flush=True)
 
     def on_violation(self, violation: Violation) -> None:
         """Called by an engine (inside the op) when it found a violation worth a stop."""

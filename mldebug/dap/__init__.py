@@ -25,6 +25,7 @@ import sys
 DEFAULT_HOST = "127.0.0.1"
 
 
+from ..core.ranks import this_rank
 from ..core.threads import hide_from_debugger  # noqa: F401 - part of the face
 from .pauser import DapPauser
 from .pydevd_api import (client_connected, debugger_active, register_plugin,  # noqa: F401
@@ -69,8 +70,13 @@ def setup(args, session) -> bool:
     if wait and not listen_to and not debugger_active():
         raise ValueError("--wait-for-client needs --listen [HOST:]PORT")
     if listen_to:
-        host, port = listen(parse_address(listen_to))
-        print(f"mldebug: debugpy listens on {host}:{port}"
+        host, port = parse_address(listen_to)
+        rank = this_rank()
+        if rank is not None and port:
+            port += rank.rank     # one port a rank: rank R of a job listens on PORT+R
+        host, port = listen((host, port))
+        tag = rank.tag if rank is not None else ""
+        print(f"{tag}mldebug: debugpy listens on {host}:{port}"
               + ("; waiting for a client to attach" if wait else ""),
               file=sys.stderr, flush=True)
         if wait:

@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.optim import optimizer as _optim_hooks
 
 from ..core import replay as _replay
+from ..core.ranks import this_rank
 from ..core.errors import UsageError
 from ..core.quiet import own_work
 from ..core.structs import tensors_in
@@ -110,6 +111,11 @@ class Recorder(CaptureHooks, StepWriting):
         self.training_only = training_only
         self.manual = step == "manual"
         name = check_run_name(run) if run is not None else time.strftime("run-%Y%m%d-%H%M%S")
+        rank = this_rank()
+        if rank is not None:
+            # the ranks of a job record side by side: one file a rank, never one shared
+            name = (name.replace("{rank}", str(rank.rank)) if "{rank}" in name
+                    else f"{name}-rank{rank.rank}")
         path = run_path(run_dir, name)
         if os.path.exists(path):
             if if_exists == "error":
@@ -153,7 +159,10 @@ class Recorder(CaptureHooks, StepWriting):
             "log": sorted(self.log), "every": every if isinstance(every, int) else "callable",
             "bins": bins, "sample": sample, "clip": clip, "batch_dim": batch_dim,
             "modules": len(self._mods), "note": note, "torch": torch.__version__,
-            "step": "manual" if self.manual else "optimizer", "pid": os.getpid()},
+            "step": "manual" if self.manual else "optimizer", "pid": os.getpid(),
+            # which rank of a multi-process job recorded it (None: a single process)
+            "rank": rank.rank if rank is not None else None,
+            "world_size": rank.world_size if rank is not None else None},
             background=background)
         # a step finished on the host is committed here when torch's threads take every
         # core: a writer thread then runs instead of them, not beside them, and its GIL

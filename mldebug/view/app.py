@@ -19,6 +19,7 @@ from bokeh.models import Div as _Div
 from bokeh.palettes import Viridis256
 from bokeh.plotting import figure
 
+from ..core.ranks import this_rank
 from ..summaries import slicing as _slicing
 from . import data as _data
 from . import state as _state
@@ -176,7 +177,8 @@ class Page:
         self.tabs.on_change("active", self._on_tab)
         self.doc.add_root(column(Div(text="<h2>mldebug</h2>"), self.banner, controls,
                                  self.tabs))
-        self.doc.title = "mldebug view"
+        rank = this_rank()       # which rank of a multi-process job this page shows
+        self.doc.title = "mldebug view" + (f" [rank {rank.rank}]" if rank is not None else "")
 
     # -- program -> page ----------------------------------------------------------------
     def attach(self):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -156,6 +157,39 @@ class TestListenAndAttach:
             assert debuggee.returncode == 0, err
             assert "finished nan" in out
             assert f"listens on 127.0.0.1:{port}" in err
+        finally:
+            if debuggee.poll() is None:
+                debuggee.kill()
+                debuggee.wait(timeout=10)
+
+    def test_rank_r_of_a_job_listens_on_port_plus_r(self, tmp_path):
+        """Under a launcher (RANK/WORLD_SIZE, as torchrun sets them) each rank has a port
+        of its own: VS Code attaches to the rank that stopped."""
+        port = free_port()
+        while True:                      # PORT+1 must be free too
+            try:
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port + 1))
+                break
+            except OSError:
+                port = free_port()
+        debuggee = subprocess.Popen(
+            [sys.executable, "-m", "mldebug", "--listen", f"127.0.0.1:{port}", "--wait-for-client",
+             str(NAN_STEP)], cwd=tmp_path, env=clean_env(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2"),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            with DapClient.connect("127.0.0.1", port + 1, timeout=25) as dap:
+                dap.initialize()
+                dap.start("attach", {"name": "attach", "type": "python", "request": "attach",
+                                     "connect": {"host": "127.0.0.1", "port": port + 1},
+                                     "justMyCode": True})
+                _, thread, top = stopped_frame(dap, "exception")
+                assert top["line"] == marker_line(NAN_STEP)
+                dap.request("continue", {"threadId": thread})
+                dap.wait_event("terminated", timeout=25)
+            out, err = debuggee.communicate(timeout=25)
+            assert debuggee.returncode == 0, err
+            assert f"[rank 1] mldebug: debugpy listens on 127.0.0.1:{port + 1}" in err
         finally:
             if debuggee.poll() is None:
                 debuggee.kill()

@@ -814,3 +814,20 @@ def test_a_step_of_small_tensors_fills_one_block():
     for i, rows in enumerate([6, 1, 1, 5, 2, 6, 1] * 3):
         mixed.add(i, torch.randn(rows * 1024 - 5), torch.float32)
     assert sorted(b[0].shape[0] for b in mixed.blocks) == [2, 6]
+
+
+def test_each_rank_of_a_job_records_to_its_own_run_with_its_rank(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with mldebug.record(model, run_dir=str(tmp_path), run="exp") as rec:
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+    assert rec.run == "exp-rank1"           # not the file rank 0 writes
+    with mldebug.record(model, run_dir=str(tmp_path), run="exp-{rank}-b"):
+        pass
+    with mldebug.record.open_run(str(tmp_path / "exp-rank1.sqlite")) as run:
+        assert (run.meta["rank"], run.meta["world_size"]) == (1, 2)
+        assert run.steps() == [0]
+    assert (tmp_path / "exp-1-b.sqlite").exists()

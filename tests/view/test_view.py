@@ -306,12 +306,13 @@ print("finished", flush=True)
 """
 
 
-def start_cli(tmp_path, source: str, *options):
+def start_cli(tmp_path, source: str, *options, env=None):
     prog = tmp_path / "prog.py"
     prog.write_text(source)
     proc = subprocess.Popen([sys.executable, "-m", "mldebug", "--view", "0", *options, str(prog)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=tmp_path)
+                            stderr=subprocess.PIPE, text=True, env=env or clean_env(),
+                            cwd=tmp_path)
     deadline = time.monotonic() + 60
     seen = []
     while time.monotonic() < deadline:
@@ -338,12 +339,16 @@ def finish(proc, timeout=30):
 
 @needs_chromium
 def test_nan_stop_banner_then_step_over_and_continue_drive_the_prompt(browser, tmp_path):
-    proc, url = start_cli(tmp_path, NAN_PROGRAM)
+    # as rank 1 of a launched job (the launcher's variables): the page says which rank
+    proc, url = start_cli(tmp_path, NAN_PROGRAM,
+                          env=clean_env(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2"))
     context = browser.new_context(viewport={"width": 1300, "height": 1100})
     page = context.new_page()
     try:
         page.goto(url)
         text = wait_text(page, r"paused at the mldebug prompt at prog\.py:5")
+        assert page.title() == "mldebug view [rank 1]"
+        assert "rank 1" in text
         assert re.search(r"Stop: \d+ NaN from aten\.log", text)
         assert "reason nan" in text and "op aten.log.default" in text
         assert "at prog.py:5" in text and "stage forward" in text
