@@ -6,8 +6,8 @@ once the program initialised it; never a server of our own).
   stop this rank did not make itself (a NaN/Inf that came in, or a gradient no op of this
   rank made: what a DDP all-reduce hands every rank) waits a moment for a peer's own
   stop and, when one comes, names it: `came in from rank 1: ...` and the report's `peer`.
-- Every rank watches for the first stop on a thread of its own (blocked in the store's
-  wait: no polling, no collective). When it is another rank's:
+- Every rank watches for the first stop on a thread of its own (a look at the store
+  every POLL_S, never a collective). When it is another rank's:
   - `--batch`: one report line, `reason: "peer_stop"`, naming the rank, file:line and
     message of the first stop; one line on stderr; exit status 3 at once — whatever the
     program is doing (blocked in a collective the stopped rank will never join), so no
@@ -29,6 +29,7 @@ stop), `acks` / `first_stop_done` (--batch's exit handshake), `pauses` (a counte
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -52,6 +53,7 @@ DONE = "first_stop_done"   # the first stop's rank wrote its line and may be ter
 GRACE_S = 3.0        # how long a stop this rank did not make waits for a peer's own
 ACK_WAIT_S = 5.0     # how long a --batch stop waits for the others to write their line
 EXIT_PEER_STOP = 3   # as --batch's own stop
+POLL_S = 0.1         # how often the watcher asks the store (a round trip on its thread)
 
 
 def _prefix() -> str:
@@ -124,6 +126,8 @@ class Peers:
         self._thread = threading.Thread(target=watch, name="mldebug-peers", daemon=True)
         self._thread.pydev_do_not_trace = True
         self._thread.is_pydev_daemon_thread = True
+        self._closing = threading.Event()
+        atexit.register(self._close)
         self._thread.start()
 
     # -- this rank stops ---------------------------------------------------------------
@@ -285,7 +289,7 @@ class Peers:
         store = self._connect_when_possible()
         number = 1
         while store is not None:
-            value = _wait_get(store, f"pause/{number}")
+            value = self._wait_get(store, f"pause/{number}")
             if value is None:
                 return
             pause = json.loads(value)
@@ -293,7 +297,7 @@ class Peers:
                 self._holding = True
                 print(f"{self.info.tag}waiting: {describe_first(pause)}",
                       file=self.session.out, flush=True)
-                outcome = _wait_get(store, f"resume/{number}")
+                outcome = self._wait_get(store, f"resume/{number}")
                 if outcome == "quit":
                     print(f"{self.info.tag}mldebug: rank {pause.get('rank')} ended the "
                           "program at its prompt; ending this rank too",
@@ -305,21 +309,42 @@ class Peers:
             number += 1
 
     # -- another rank stops ------------------------------------------------------------
-    @staticmethod
-    def _connect_when_possible():
-        while True:
+    def _connect_when_possible(self):
+        while not self._closing.is_set():
             try:
                 store = _connect()
             except Exception:  # noqa: BLE001 - the launcher's store is gone: nothing to do
                 return None
             if store is not None:
                 return store
-            time.sleep(0.5)    # until the program initialises torch.distributed
+            self._closing.wait(0.5)    # until the program initialises torch.distributed
+        return None
+
+    def _wait_get(self, store, key: str) -> Optional[str]:
+        """KEY's value once some rank sets it; None when the store is gone or this
+        process is exiting. Polled, never a blocking store wait: a thread blocked in the
+        store's C++ when the interpreter shuts down aborts the process ('terminate called
+        without an active exception'); this one returns within POLL_S and is joined at
+        exit (`_close`)."""
+        while not self._closing.is_set():
+            try:
+                if store.check([key]):
+                    return store.get(key).decode("utf-8")
+            except Exception:  # noqa: BLE001 - the store is gone: the job is ending
+                return None
+            self._closing.wait(POLL_S)
+        return None
+
+    def _close(self) -> None:
+        """At exit, before the interpreter shuts down: the watcher leaves the store."""
+        self._closing.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
 
     def _watch(self) -> None:
         """--batch: the job's first stop, when it is another rank's, ends this rank."""
         store = self._connect_when_possible()
-        value = _wait_get(store, FIRST) if store is not None else None
+        value = self._wait_get(store, FIRST) if store is not None else None
         if not value:
             return
         first = json.loads(value)
@@ -356,18 +381,6 @@ class Peers:
             # the main thread may be blocked in a collective the stopped rank will never
             # join: end here, with --batch's status for a stop
             _flush_and_exit(EXIT_PEER_STOP)
-
-
-def _wait_get(store, key: str) -> Optional[str]:
-    """KEY's value once some rank sets it; None when the store is gone (the job ends)."""
-    while True:
-        try:
-            # (a day: a wait that times out prints c10d's warnings; this one is re-armed)
-            store.wait([key], timedelta(days=1))
-            return store.get(key).decode("utf-8")
-        except Exception as exc:  # noqa: BLE001
-            if "timeout" not in str(exc).lower():
-                return None
 
 
 def _flush_and_exit(status: int) -> None:
