@@ -3,13 +3,14 @@
 
 Under torchrun every rank shares the launcher's terminal, and `--local-ranks-filter`,
 `--redirects` or `--tee` send a rank's output to a file or nowhere: a prompt opened there
-would look like a hang. When a rank of a multi-process job stops and its stdin or stdout
-is not a terminal, the prompt is served instead on a TCP port of this host (127.0.0.1
-unless MLDEBUG_ATTACH_HOST says otherwise), and where is printed where the user sees it:
-the launching shell's terminal (the controlling terminal, else the launcher's own stderr
-through /proc, the ranks running in sessions of their own), else this rank's stderr. The
-program stays paused until a client attaches; the prompt is mldebug's plain one (pdb's
-commands, `inspect`, `why`, ...), and the connection closes when the program goes on.
+would look like a hang. When a rank of a multi-process job stops, its stdin or stdout is
+not a terminal and no browser view runs (its buttons drive the prompt), the prompt is
+served instead on a TCP port of this host (127.0.0.1 unless MLDEBUG_ATTACH_HOST says
+otherwise), and where is printed where the user sees it: the launching shell's terminal
+(the controlling terminal, else the launcher's own stderr through /proc, the ranks
+running in sessions of their own), else this rank's stderr. The program stays paused
+until a client attaches; the prompt is mldebug's plain one (pdb's commands, `inspect`,
+`why`, ...), and the connection closes when the program goes on.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import os
 import socket
 import sys
 
+from . import view as _view
 from .core.ranks import this_rank
 
 
@@ -51,7 +53,8 @@ class RemotePrompt:
 
     def __call__(self, stop, frame) -> None:
         info = this_rank()
-        if info is None or _terminal_usable():
+        if info is None or _terminal_usable() or _view.running() is not None:
+            # (a browser view drives the prompt with its buttons: the user reaches it there)
             return self.debugger.pause_at(stop, frame)
         with socket.create_server((self.host, 0)) as server:
             port = server.getsockname()[1]
