@@ -18,11 +18,23 @@ import traceback
 import types
 import warnings
 
-from .core.version import __version__
-from .core import frames as _frames
+from . import dap as _dap
+from . import debugger as _debugger
+from . import peers as _peers
+from . import view as _view
+from . import watch as _watch
+from .assertions.scan import AlwaysOn
+from .attach import attach_main
 from .core import break_on as _break_on
+from .core import frames as _frames
 from .core import records as _records
 from .core import session as _session
+from .core.version import __version__
+from .record.history import History
+from .record.runs_command import runs_main
+from .remote_prompt import RemotePrompt
+# (debugpy, bokeh and IPython, the heavy ones, load inside dap, view and the debugger only
+# when --listen, --view or a terminal prompt asks for them)
 
 # What a run may not need loads in the function that starts it, only when asked for:
 # the debugger (IPython) not under --batch or DAP, dap's debugpy glue, the view (bokeh)
@@ -252,16 +264,12 @@ def _start_watch(session: _session.Session, args):
     session.exact_watch = args.watch == "exact"   # `watch on` at the prompt keeps it
     if args.watch == "off" or not (session.break_on & {"nan", "inf"}):
         return None
-    from . import watch as _watch
-
     return _watch.watch_session(session)
 
 
 def _start_assertions(session: _session.Session, args):
     """The always-on graph capture (what `graph` shows) and, with 'assert' in
     --break-on, the staged assertions (mldebug/assertions)."""
-    from .assertions.scan import AlwaysOn
-
     return AlwaysOn(assertions="assert" in session.break_on)
 
 
@@ -272,9 +280,7 @@ def _close_assertions(started) -> None:
 
 def _watches(started) -> list:
     """The watch the CLI started and any the user started at the prompt."""
-    from .watch import active_watch
-
-    active = active_watch()
+    active = _watch.active_watch()
     return [w for w in (started, active if active is not started else None) if w is not None]
 
 
@@ -335,18 +341,14 @@ def run(args) -> int:
             print(f"mldebug: error: --report {args.report!r}: {exc.strerror}", file=sys.stderr)
             return EXIT_USAGE
     # one rank of several (torchrun): the ranks tell each other about stops (peers.py)
-    from . import peers as _peers
     _peers.start(session)
     # DAP mode (mldebug/dap): under debugpy (--listen, or launched by a DAP client) stops
     # go to the client; no pdb prompt, breakpoint() and uncaught exceptions stay debugpy's.
-    from . import dap as _dap
     try:
         dap_mode = _dap.setup(args, session)
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"mldebug: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    from . import debugger as _debugger
-
     debugger = None
     if dap_mode:
         pass  # no pdb: the DAP client is the user interface
@@ -354,7 +356,6 @@ def run(args) -> int:
         debugger = _debugger.get_debugger(session, plain=True if args.plain else None)
         # (a rank of a multi-process job whose terminal cannot show the prompt serves it
         # on a socket for `mldebug attach`; otherwise it is the debugger's own)
-        from .remote_prompt import RemotePrompt
         session.pauser = RemotePrompt(debugger)
         debugger.rcLines.extend(args.commands)
         debugger.program_code = program.code
@@ -362,7 +363,6 @@ def run(args) -> int:
         print("mldebug: note: -c commands are ignored with --batch (it never prompts)",
               file=sys.stderr)
     if args.view is not None:
-        from . import view as _view
         try:
             _view.start(args.view)
         except ValueError as exc:
@@ -382,7 +382,6 @@ def run(args) -> int:
     watch = _start_watch(session, args)
     history = None
     if args.history == "on":  # mldebug/record/history.py: what `history` shows at a stop
-        from .record.history import History
         history = History().start()
     # Ctrl-C pauses at the user's next line (mldebug/interrupt.py); --batch and DAP runs
     # keep Python's Ctrl-C, which ends the program
@@ -470,10 +469,8 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of `mldebug` and `python -m mldebug`; never returns."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["runs"]:  # python -m mldebug runs DIR (mldebug/record/runs_command.py)
-        from .record.runs_command import runs_main
         sys.exit(runs_main(argv[1:]))
     if argv[:1] == ["attach"]:  # python -m mldebug attach HOST:PORT (mldebug/attach.py)
-        from .attach import attach_main
         sys.exit(attach_main(argv[1:]))
     parser = build_parser()
     own, program_args = split_argv(argv)

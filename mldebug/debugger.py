@@ -9,6 +9,7 @@ All output goes through `message()` / `error()`; commands never raise.
 """
 from __future__ import annotations
 
+import atexit
 import bdb
 import cmd
 import os
@@ -296,6 +297,16 @@ def _on_terminal() -> bool:
 _debugger = None
 
 
+def _stop_tracing() -> None:
+    # A breakpoint still set when the program ends leaves bdb tracing the interpreter's
+    # shutdown, where its skip check calls fnmatch on torn-down modules ("Exception
+    # ignored ... 'NoneType' object has no attribute 'fnmatch'"). The CLI clears the trace
+    # itself; this covers `PYTHONBREAKPOINT=mldebug.set_trace` and `mldebug.set_trace()`.
+    # debugpy's own trace is not ours to clear.
+    if _debugger is not None and getattr(sys.gettrace(), "__self__", None) is _debugger:
+        sys.settrace(None)
+
+
 def get_debugger(session: Optional[_session.Session] = None, plain: Optional[bool] = None):
     """The process's debugger for SESSION, created on first use (IPython's prompt on a
     terminal, plain pdb on a pipe or with PLAIN). The caller that wants it to pause the
@@ -306,6 +317,8 @@ def get_debugger(session: Optional[_session.Session] = None, plain: Optional[boo
         if plain is None:
             plain = os.environ.get("MLDEBUG_PLAIN", "") not in ("", "0") or not _on_terminal()
         cls = None if plain else _ipython_class()
+        if _debugger is None:
+            atexit.register(_stop_tracing)
         _debugger = cls(session=session) if cls is not None else MLPdb(session=session)
     return _debugger
 

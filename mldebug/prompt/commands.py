@@ -78,12 +78,12 @@ class MLCommandSet:
         were finite (it made it) or not (it came in from outside, and which input),
         with summaries of the inputs and the bad output.
         """
-        violation = self.mldebug_session.last_violation
         stop = self._current_stop
-        if stop is not None and (stop.reason in ("exception", "breakpoint", "interrupt")
-                                 or violation is None):
+        if stop is not None and stop.violation is None:
             self.message(stop.message)   # explain this stop, not an older NaN stop
             return
+        # the stop being shown; at a prompt with no stop of its own, the latest finding
+        violation = stop.violation if stop is not None else self.mldebug_session.last_violation
         if violation is None:
             self.error("why: nothing has stopped the program yet (no NaN/Inf, assertion "
                        "or exception so far)")

@@ -47,6 +47,8 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from ..core.errors import UsageError
+
 SCHEMA_VERSION = 1
 SUFFIX = ".sqlite"
 SCALAR_FLUSH_S = 1.0
@@ -76,7 +78,6 @@ def run_path(run_dir: str, name: str) -> str:
 def check_run_name(name: str) -> str:
     if not isinstance(name, str) or not name or name.strip() != name \
             or any(c in name for c in "/\\\0") or name in (".", ".."):
-        from ..core.errors import UsageError
         raise UsageError(f"run name must be a non-empty file name without '/', run={name!r}")
     return name
 

@@ -24,6 +24,7 @@ from typing import Any, Optional
 from ..core.quiet import watch_suspended
 from ..core.threads import hide_from_debugger
 from .compute import summary
+from .slicing import is_tensor  # noqa: F401 - part of this module's face
 from .tensor_summary import TensorSummary, short_dtype
 
 on_late: list = []     # callables run (on the worker) when a late summary is ready
@@ -47,16 +48,6 @@ PENDING_NOTE = "stats: computing…"
 
 def _torch():
     return sys.modules.get("torch")
-
-
-def _numpy():
-    return sys.modules.get("numpy")
-
-
-def is_tensor(x) -> bool:
-    torch, np = _torch(), _numpy()
-    return bool((torch is not None and isinstance(x, torch.Tensor))
-                or (np is not None and isinstance(x, np.ndarray)))
 
 
 # -- cache -------------------------------------------------------------------------------

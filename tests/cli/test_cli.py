@@ -345,6 +345,25 @@ def test_a_breakpoint_still_set_at_exit_prints_nothing_extra(write_program):
     assert result.stderr == ""          # no "Exception ignored ... fnmatch" at shutdown
 
 
+@pytest.mark.parametrize("how", ["PYTHONBREAKPOINT", "set_trace"])
+def test_a_breakpoint_still_set_at_exit_prints_nothing_extra_without_the_cli(write_program, how):
+    """The API path: `PYTHONBREAKPOINT=mldebug.set_trace python prog.py` and a call of
+    mldebug.set_trace() in the program, with a breakpoint still set when it ends."""
+    stop = "breakpoint()" if how == "PYTHONBREAKPOINT" else "import mldebug; mldebug.set_trace()"
+    prog = write_program(f"""
+        def f(x):
+            return x + 1
+        {stop}
+        print("done", f(1))
+    """)
+    env = clean_env(PYTHONBREAKPOINT="mldebug.set_trace", MLDEBUG_PLAIN="1")
+    result = subprocess.run([sys.executable, str(prog)], input="b 3\nc\nc\n",
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "done 2" in result.stdout
+    assert result.stderr == ""          # no "Exception ignored ... fnmatch" at shutdown
+
+
 def test_breakpoint_under_stop_at_start_lands_in_the_users_code(write_program):
     prog = write_program("""
         x = 1

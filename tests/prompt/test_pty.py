@@ -22,7 +22,7 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 def spawn(args, cwd, **env):
     child = pexpect.spawn(sys.executable, ["-m", "mldebug", *args], cwd=str(cwd),
-                          env=clean_env(**env), encoding="utf-8", timeout=60,
+                          env=clean_env(**env), encoding="utf-8", timeout=180,
                           dimensions=(40, 160))
     child.logfile_read = io.StringIO()   # the whole screen, for `everything`
     return child
@@ -64,7 +64,7 @@ TRAIN = """
 def test_ctrl_c_pauses_at_the_users_line_and_c_resumes_bitwise(write_program, tmp_path, prompt):
     path = write_program(TRAIN, name="train.py")
     plain = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
-                           env=clean_env(), timeout=120, check=True)
+                           env=clean_env(), timeout=600, check=True)
     expected = re.search(r"weights (\w+)", plain.stdout).group(1)
     child = spawn((["--plain"] if prompt == "plain" else []) + ["train.py"], tmp_path)
     child.expect("training")
@@ -78,10 +78,17 @@ def test_ctrl_c_pauses_at_the_users_line_and_c_resumes_bitwise(write_program, tm
     child.expect(r"tensor\[\] f32")
     child.expect(PROMPT)
     child.sendline("history")
-    child.expect(r"step")
+    child.expect(r"history of the model: steps \d+\.\.\d+")
+    child.expect(r"‖\d\.(weight|bias)‖")   # a column per parameter, rows of norms
+    child.expect(PROMPT)
+    child.sendline("graph")
+    child.expect(r"Sequential")             # the last forward pass, module by module
+    child.expect(r"Linear")
     child.expect(PROMPT)
     child.sendline("c")
-    child.expect(r"weights (\w+)")
+    # the rest of the 10,000 steps: ~80 s on a loaded 2-core machine, so wait on the
+    # line itself, not on a time the machine may not meet
+    child.expect(r"weights (\w+)", timeout=600)
     assert child.match.group(1) == expected
     child.expect(pexpect.EOF)
     child.close()
