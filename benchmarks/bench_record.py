@@ -28,6 +28,9 @@ printed as a ratio to plain. A step is zero_grad + forward + backward + optimize
                     layers (`ignore_io_grad_classes`: the block's `out += identity` writes
                     into the BatchNorm output). Skipped with a message when missing or
                     when it fails on a model.
+
+Then, for each model, the counts that do not depend on the machine: the aten ops and host
+reads of a plain step, a recorded one and one `every=100` does not record.
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_watch import BATCH_SCALE, MODELS, step, sync  # noqa: E402
+from opcount import count_step  # noqa: E402
 
 import mldebug  # noqa: E402
 from mldebug.graph import Capture  # noqa: E402
@@ -181,6 +185,28 @@ def make_variants(base, device, run_dir, texp):
     return {k: Variant(k, base, device, a) for k, a in variants.items()}
 
 
+def count_ops(name, device, run_dir):
+    """The aten ops and host reads of one step, plain and recorded with all four logs
+    (every=1), and of a step `every=100` does not record: machine-independent counts
+    (benchmarks/opcount.py) beside the ratios."""
+    out = {}
+    for k, every in (("plain", None), ("record@1", 1), ("record@100:off", 100)):
+        torch.manual_seed(0)
+        model, loss_fn, opt = MODELS[name](device)
+        rec = None if every is None else mldebug.record(
+            model, log=LOGS, every=every, run_dir=run_dir, run=f"count-{name}-{every}")
+        try:
+            # record@100:off: steps 1.. of a recorder whose step 0 was recorded in warm-up
+            ops, reads = count_step(lambda: step(model, loss_fn, opt))
+        finally:
+            if rec is not None:
+                rec.close()
+        out[k] = (sum(ops.values()), reads)
+    n0, r0 = out["plain"]
+    return f"{name:6} ops a step: plain {n0}, " + ", ".join(
+        f"{k} {n} ({n - n0:+d}, reads {r - r0:+d})" for k, (n, r) in out.items() if k != "plain")
+
+
 def measure(name, device, reps, per, run_dir, texp):
     torch.manual_seed(0)
     base = MODELS[name](device)
@@ -268,6 +294,8 @@ def main(argv=None):
                              for c in cols)
             print(f"{name:6} {base * 1e3:>9.2f} {cells} {med['history'] / med['capture']:>15.3f}x",
                   flush=True)
+        for name in args.models.split(","):
+            print(count_ops(name, args.device, run_dir), flush=True)
     load = os.getloadavg()
     print(f"load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 

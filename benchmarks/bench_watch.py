@@ -10,6 +10,8 @@ isfinite), repetition after repetition, and the median step time of each is prin
 ratio to plain. A step is zero_grad + forward + backward + optimizer step.
 Models: MLP 784-256-256-10 (batch 64, SGD), ResNet-18-like CNN (batch 16, 3x64x64, SGD
 with momentum), GPT-like transformer (6 layers, d=512, 8 heads, seq 128, batch 8, AdamW).
+Then, for each model, the counts that do not depend on the machine: the aten ops and
+host reads of one healthy step, plain and watched (issue 22's budget: at most +10% ops).
 The last line is the cost of the DataLoader bookkeeping the watch keeps to name a bad
 sample's dataset index (watch/data_origin.py): time per batch of a shuffled DataLoader
 over MLP-sized batches with it and without, as a share of the MLP step, and the tensor ops
@@ -37,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import mldebug  # noqa: E402
+from opcount import count_step  # noqa: E402
 
 
 # -- models --------------------------------------------------------------------------
@@ -271,6 +274,22 @@ def data_index_cost(reps):
     return extra, (ops(True) - ops(False)) / batches
 
 
+def count_ops(name, device):
+    """Issue 22's budget, machine-independent: the aten ops and host reads of one healthy
+    step, plain and watched (top-level ops, torch's profiler; benchmarks/opcount.py)."""
+    out = {}
+    for k in ("plain", "watch"):
+        torch.manual_seed(0)
+        model, loss_fn, opt = MODELS[name](device)
+        with variants()[k]():
+            ops, reads = count_step(lambda: step(model, loss_fn, opt))
+        out[k] = (sum(ops.values()), reads)
+    (n0, r0), (n1, r1) = out["plain"], out["watch"]
+    return (f"{name:6} ops a step: plain {n0}, watch {n1} ({n1 - n0:+d}, "
+            f"{(n1 - n0) / n0:+.1%}; budget +10%); host reads: plain {r0}, watch {r1} "
+            f"({r1 - r0:+d})")
+
+
 def count_syncs(name, device):
     """Device syncs in one step, per variant (CUDA only), and the ops of a step."""
     import warnings
@@ -348,6 +367,9 @@ def main(argv=None):
                   f"{c['stats']['unique_graphs']} graphs compiled in all variants", flush=True)
         if name == "mlp":
             mlp_step = base
+    if not args.compile:
+        for name in args.models.split(","):
+            print(count_ops(name, args.device), flush=True)
     if mlp_step is not None:
         extra, ops = data_index_cost(20 if args.quick else 60)
         print(f"data index bookkeeping (DataLoader, batch 64x784): {extra * 1e6:+.1f} us a "

@@ -17,8 +17,12 @@ else
     "$PY" -m pip install -q -e .
 fi
 
-# the recorder's one-pass kernel (mldebug/record/fused.c), built now rather than at the
-# first recorded step; without a C compiler the recorder takes its torch path instead
+# the C kernels, built now rather than at first use: the recorder's one-pass statistics
+# (mldebug/record/fused.c) and the watch's NaN/Inf bit test (mldebug/watch/finite.c);
+# without a C compiler each takes its torch path instead
 "$PY" -c "from mldebug.record import native
+from mldebug.watch import native_check
 k = native.kernel()
-print('setup: recorder kernel', 'built' if k else 'not built (' + native.reason() + '): the torch path is used')"
+print('setup: recorder kernel', 'built' if k else 'not built (' + native.reason() + '): the torch path is used')
+why = native_check.reason()
+print('setup: watch kernel', 'not built (' + why + '): the torch path is used' if why else 'built')"

@@ -1,8 +1,7 @@
 """`fused.c`, the recorder's one-pass statistics of a CPU tensor, built on first use.
 
-The kernel is compiled with the machine's C compiler (`$CC`, else `cc`, `gcc` or
-`clang`) into a cache folder (`$MLDEBUG_CACHE_DIR`, else `$XDG_CACHE_HOME/mldebug` or
-`~/.cache/mldebug`), once per source and machine type (~0.3 s), loaded with ctypes and
+The kernel is compiled with the machine's C compiler into mldebug's cache folder once per
+source and machine type (~0.3 s; mldebug/core/native.py), loaded with ctypes and
 checked against numpy before it is used. Without a compiler, when the build or the check
 fails, or with `MLDEBUG_NATIVE=0`, `kernel()` is None and the recorder takes its torch and
 numpy path instead (same statistics, slower: see benchmarks/README.md); `reason()` says
@@ -14,21 +13,15 @@ does) and only reads the tensor and writes the caller's arrays.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shlex
-import shutil
-import stat
 import subprocess
-import sys
-import tempfile
 from typing import Optional
 
 import numpy as np
 import torch
 
+from ..core import native as _native
 from .rows import bin_rows, describe_rows
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fused.c")
@@ -67,15 +60,15 @@ def kernel() -> Optional[Kernel]:
     except KeyError:
         pass
     k, why = None, ""
-    if os.environ.get("MLDEBUG_NATIVE", "1").strip().lower() in ("0", "off", "no", "false"):
+    if _native.disabled():
         why = "MLDEBUG_NATIVE=0"
     else:
         try:
-            path = _library()
+            path = _native.library(SOURCE, _FLAGS)
             try:
                 lib = ctypes.CDLL(path)
             except OSError:        # a cached library this machine cannot load: build it
-                lib = ctypes.CDLL(_library(rebuild=True))
+                lib = ctypes.CDLL(_native.library(SOURCE, _FLAGS, rebuild=True))
             k = Kernel(lib)
             why = _check(k)
             if why:
@@ -93,78 +86,6 @@ def reason() -> str:
     """Why `kernel()` is None ('' when it is not)."""
     kernel()
     return _STATE["reason"]
-
-
-def _compiler() -> list:
-    cc = os.environ.get("CC")
-    if cc:
-        return shlex.split(cc)
-    for name in ("cc", "gcc", "clang"):
-        path = shutil.which(name)
-        if path:
-            return [path]
-    raise OSError("no C compiler (cc, gcc or clang; or set CC)")
-
-
-def _private(d: str) -> bool:
-    """Whether D is (now) a folder of this user's that no one else may write to: a library
-    found there is loaded into this process, so another user must not be able to put one
-    there (a shared /tmp)."""
-    try:
-        os.makedirs(d, mode=0o700, exist_ok=True)
-        st = os.lstat(d)
-    except OSError:
-        return False
-    return (stat.S_ISDIR(st.st_mode) and not st.st_mode & 0o022 and os.access(d, os.W_OK)
-            and (not hasattr(os, "getuid") or st.st_uid == os.getuid()))
-
-
-def _cache_dir() -> str:
-    """$MLDEBUG_CACHE_DIR, else $XDG_CACHE_HOME/mldebug or ~/.cache/mldebug, else
-    /tmp/mldebug-UID: the first that is private (`_private`); else a new private folder
-    for this process only (the kernel is then built again by the next one)."""
-    d = os.environ.get("MLDEBUG_CACHE_DIR")
-    if not d:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
-                                                                 ".cache")
-        d = os.path.join(base, "mldebug")
-    user = os.getuid() if hasattr(os, "getuid") else 0
-    for where in (d, os.path.join(tempfile.gettempdir(), f"mldebug-{user}")):
-        if _private(where):
-            return where
-    return tempfile.mkdtemp(prefix="mldebug-")
-
-
-def _library(rebuild: bool = False) -> str:
-    """The built library's path, built now when missing or REBUILD (written under a
-    temporary name and renamed: processes that build at once never see half a file). The
-    cache key is the source, the flags and the machine type: a library built once serves
-    every later process, with or without a compiler."""
-    with open(SOURCE, "rb") as f:
-        src = f.read()
-    key = hashlib.sha256(b"\0".join([src, " ".join(_FLAGS).encode(),
-                                     platform.machine().encode(), sys.platform.encode()]))
-    path = os.path.join(_cache_dir(), f"fused-{key.hexdigest()[:16]}.so")
-    if os.path.exists(path) and not rebuild:
-        return path
-    cc = _compiler()
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
-    os.close(fd)
-    try:
-        error = ""
-        # target_clones needs GCC on x86-64 with ifunc support (glibc): else the baseline
-        for extra in ([], ["-DMLD_NO_CLONES"]):
-            run = subprocess.run(cc + list(_FLAGS) + extra + ["-o", tmp, SOURCE],
-                                 capture_output=True, text=True, timeout=120)
-            if run.returncode == 0:
-                os.replace(tmp, path)
-                return path
-            lines = run.stderr.strip().splitlines()
-            error = lines[-1] if lines else f"exit status {run.returncode}"
-        raise OSError(f"{cc[0]} could not build {os.path.basename(SOURCE)}: {error}")
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def _check(k: Kernel) -> str:

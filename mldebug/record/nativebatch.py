@@ -19,6 +19,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..core.native import readable_address
 from .native import OUT_WIDTH, Kernel
 from .rows import describe_rows, sample_of
 from .tensorbatch import nonfinite_row, per_sample_norms, sample_index
@@ -90,14 +91,8 @@ class NativeBatch:
         n = x.numel()
         if not x.is_contiguous():         # (the caller's promise: the kernel reads n in a row)
             return False
-        try:
-            ptr = x.data_ptr()            # a wrapper tensor (no storage) raises
-        except RuntimeError:
-            return False
-        # no data of its own (autograd's efficient zero tensors, functionalize's wrappers:
-        # a null pointer) or a freed (shrunk) storage: never read
-        if not ptr or x._is_zerotensor() \
-                or x.untyped_storage().nbytes() < (x.storage_offset() + n) * x.element_size():
+        ptr = readable_address(x)         # 0: no memory of its own to read
+        if not ptr:
             return False
         chunk = nptr = 0
         if shape:                                       # per-sample norms wanted

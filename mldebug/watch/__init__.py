@@ -63,8 +63,9 @@ Where a stop points
     'forward' (also for ops outside any module).
 
 Devices
-    CPU outputs are checked immediately (one `sum` + `.item()` per output; an exact
-    isfinite count only when the sum is not finite). Outputs on other devices (CUDA) are
+    CPU outputs are checked immediately, by a C bit test that reads the tensor's memory in
+    place (watch/native_check.py: no torch op, no read); without a compiler by one `sum` +
+    `.item()` per output (an exact isfinite count only when the sum is not finite). Outputs on other devices (CUDA) are
     summed on the device without a sync; the sums are read with ONE transfer per window:
     when the outermost module returns, at the end of backward (autograd final callback),
     before/after the optimizer step, every WINDOW_MAX ops and at close(). The stop then

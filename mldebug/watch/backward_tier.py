@@ -18,6 +18,7 @@ from ..core.errors import NonFiniteError
 from . import safe as _safe
 from . import tiers as _tiers
 from .checks import _F32, _SUM_DTYPE, _checkable, _counts, _floating, _isfinite
+from .native_check import nonfinite as _native_nonfinite
 
 _get_ident = threading.get_ident
 _HOST_READS = True      # False while tests run the device paths on the CPU
@@ -292,9 +293,12 @@ class _GradSentinel:
 def _cpu_nonfinite_counts(grad):
     """A CPU gradient (floating, checkable): one sum; exact (nan, +inf, -inf) counts when
     it holds a NaN/Inf, else None (also for a finite sum that merely overflowed)."""
-    sum_dtype = _SUM_DTYPE[grad.dtype]
-    s = grad.sum() if sum_dtype is None else grad.sum(dtype=sum_dtype)
-    if _isfinite(s.item()):
+    bad = _native_nonfinite(grad)                  # no op, no read; None: not readable
+    if bad is None:
+        sum_dtype = _SUM_DTYPE[grad.dtype]
+        s = grad.sum() if sum_dtype is None else grad.sum(dtype=sum_dtype)
+        bad = not _isfinite(s.item())
+    if not bad:
         return None
     counts = _counts(grad)
     return counts if sum(counts) else None

@@ -25,6 +25,7 @@ from ..core import frames as _frames
 from .checks import (_F32, _LOW, _SUM_DTYPE, _checkable, _getframe, _grad_enabled,
                      _isfinite)
 from .ops import OpInfo
+from .native_check import nonfinite as _native_nonfinite
 
 _USER_CODE: dict = {}              # code object -> is user code (the hot path's cache)
 _is_user_file = _frames.is_user_file
@@ -112,8 +113,11 @@ class _Mode(TorchDispatchMode):
             if not _checkable(out):
                 return out                # fake/meta/nested/mkldnn/subclass: no data to read
             if out.is_cpu and _HOST_READS:
-                s = out.sum() if sum_dtype is None else out.sum(dtype=sum_dtype)
-                if not _isfinite(s.item()):
+                bad = _native_nonfinite(out)       # no op, no read; None: not readable
+                if bad is None:
+                    s = out.sum() if sum_dtype is None else out.sum(dtype=sum_dtype)
+                    bad = not _isfinite(s.item())
+                if bad:
                     w._slow(func, info, args, kwargs, (out,), None)
             else:
                 w._window_add(func, info, args, kwargs, (out,))
@@ -181,6 +185,15 @@ class PerOpCheck:
                     (cpu if t.is_cpu and _HOST_READS else device).append(t)
         if device:
             self._window_add(func, info, args, kwargs, tuple(outs), device)
+        unread = []
+        for t in cpu:
+            bad = _native_nonfinite(t)             # no op, no read; None: not readable
+            if bad:
+                self._slow(func, info, args, kwargs, outs, None)
+                return
+            if bad is None:
+                unread.append(t)
+        cpu = unread
         if not cpu:
             return
         if len(cpu) > 4:

@@ -20,6 +20,7 @@ from .backward_tier import _GradSentinel
 from .checks import (_F32, _SUM_DTYPE, _caller, _checkable, _counts, _floating,
                      _grad_enabled, _isfinite)
 from .tiers import RootCall, flat_tensors
+from .native_check import nonfinite as _native_nonfinite
 
 _HOST_READS = True      # False while tests run the device paths on the CPU
 
@@ -41,7 +42,6 @@ class ModuleTier:
             sum_dtype = _SUM_DTYPE.get(out.dtype, 0)
             if sum_dtype == 0 or not _checkable(out):
                 continue
-            d = out.detach()        # no autograd node for our own sum
             if out.requires_grad and not code & _safe.NO_GRAD_CHECK and _grad_enabled():
                 # the gradient of this output, checked when the real backward runs: a
                 # pre-hook on its autograd node (cheaper to register than a tensor hook)
@@ -51,12 +51,16 @@ class ModuleTier:
                     node.register_prehook(sentinels[-1])
             if code & _safe.NO_FORWARD_CHECK:
                 continue            # the next child in its Sequential shows it
-            if d.is_cpu and _HOST_READS:
-                s = d.sum() if sum_dtype is None else d.sum(dtype=sum_dtype)
-                if not _isfinite(s.item()) and t.flag is None:
+            if out.is_cpu and _HOST_READS:
+                bad = _native_nonfinite(out)       # no op, no read; None: not readable
+                if bad is None:
+                    d = out.detach()               # no autograd node for our own sum
+                    s = d.sum() if sum_dtype is None else d.sum(dtype=sum_dtype)
+                    bad = not _isfinite(s.item())
+                if bad and t.flag is None:
                     self._sentinel_flag(out, record)
             else:
-                t.device_sums.append((d.sum(dtype=_F32), weakref.ref(out), record))
+                t.device_sums.append((out.detach().sum(dtype=_F32), weakref.ref(out), record))
         if outs:
             t.last_out = outs[-1]
             t.last_sentinels = sentinels

@@ -52,6 +52,7 @@ from torch import Tensor
 from ..core import replay as _replay
 from ..core.structs import tensors_in
 from . import safe as _safe
+from .native_check import nonfinite as _native_nonfinite
 
 _F32 = torch.float32
 _pop_mode = torch._C._pop_torch_dispatch_stack
@@ -281,13 +282,16 @@ def any_nonfinite_sum(tensors) -> bool:
     by_device: dict = {}
     isfinite = math.isfinite
     for x in tensors:
-        d = x.detach()
-        if d.is_cpu and _HOST_READS:
-            s = d.sum() if d.dtype in _OWN_SUM else d.sum(dtype=_F32)
-            if not isfinite(s.item()):
+        if x.is_cpu and _HOST_READS:
+            bad = _native_nonfinite(x)             # no op, no read; None: not readable
+            if bad is None:
+                d = x.detach()
+                s = d.sum() if d.dtype in _OWN_SUM else d.sum(dtype=_F32)
+                bad = not isfinite(s.item())
+            if bad:
                 return True
         else:
-            by_device.setdefault(d.device, []).append(d)
+            by_device.setdefault(x.device, []).append(x.detach())
     for xs in by_device.values():
         if not math.isfinite(device_total(xs).item()):
             return True

@@ -696,20 +696,6 @@ def test_a_batch_dimension_a_tensor_lacks_gives_no_norms(tmp_path, cpu_path):
         assert len(run.norms("0:output_grad[0]", 0)) == 1          # [5, 1]: one "sample"
 
 
-def test_the_kernel_is_only_loaded_from_a_private_folder(tmp_path, monkeypatch):
-    """A library found in the cache is loaded into the process: a cache folder that
-    other users may write to (a shared /tmp) is not used."""
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    shared.chmod(0o777)
-    monkeypatch.setenv("MLDEBUG_CACHE_DIR", str(shared))
-    assert not native._private(str(shared))
-    assert native._cache_dir() != str(shared)
-    mine = tmp_path / "mine"
-    monkeypatch.setenv("MLDEBUG_CACHE_DIR", str(mine))
-    assert native._cache_dir() == str(mine) and (mine.stat().st_mode & 0o777) == 0o700
-
-
 def test_without_a_compiler_the_recorder_takes_the_torch_path(tmp_path):
     """No compiler (CC=false), a fresh cache: the build fails, `reason()` says why, and a
     recording still stores every step; MLDEBUG_NATIVE=0 turns the kernel off. With a

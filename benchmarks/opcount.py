@@ -1,0 +1,34 @@
+"""Machine-independent counts of a training step: the aten ops it dispatches and its host
+reads, from torch's profiler (issue 22's op and read budgets).
+
+    ops, reads = count_step(step, warmup=3)
+
+An op is a top-level `aten::` event: what the step dispatches, not the calls a kernel
+makes inside itself (a `sum` is one op, not `sum` + its `fill_` and `as_strided`). A host
+read is an op that copies a device value to the host for Python to look at (`item`,
+`_local_scalar_dense`, `is_nonzero`); on a GPU each is a sync. Used by bench_watch.py,
+bench_record.py and tests/watch/test_op_budget.py.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Callable
+
+from torch.profiler import ProfilerActivity, profile
+
+HOST_READS = ("aten::item", "aten::_local_scalar_dense", "aten::is_nonzero")
+
+
+def count_step(step: Callable[[], None], warmup: int = 3) -> tuple[collections.Counter, int]:
+    """(Counter of top-level aten ops by name, host reads) of one call of STEP, after
+    WARMUP calls (optimizer state, caches and lazy set-up are not a step's cost)."""
+    for _ in range(warmup):
+        step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    ops = collections.Counter(
+        e.name for e in prof.events() if e.name.startswith("aten::")
+        and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
+    # a read nested in another op (item -> _local_scalar_dense) is one read
+    reads = sum(ops[name] for name in HOST_READS)
+    return ops, reads

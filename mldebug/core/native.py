@@ -1,0 +1,119 @@
+"""C kernels of mldebug's own, built with the machine's C compiler on first use.
+
+`library(source, flags)` compiles SOURCE (a .c file shipped in the package) with `$CC`,
+else `cc`, `gcc` or `clang`, into a cache folder (`$MLDEBUG_CACHE_DIR`, else
+`$XDG_CACHE_HOME/mldebug` or `~/.cache/mldebug`), once per source, flags and machine type
+(~0.3 s), and returns the shared library's path; the caller loads it with ctypes and
+checks it before use. `disabled()` says whether `MLDEBUG_NATIVE=0` turns them all off.
+`readable_address(t)` is the address of a CPU tensor's values when a kernel may read them.
+
+Users: the recorder's statistics (record/native.py, record/fused.c) and the watch's
+NaN/Inf check of CPU tensors (watch/native_check.py, watch/finite.c). Each falls back to
+torch when its kernel cannot be had.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+
+def disabled() -> bool:
+    """MLDEBUG_NATIVE=0 (or off/no/false): no kernel is built or loaded."""
+    return os.environ.get("MLDEBUG_NATIVE", "1").strip().lower() in ("0", "off", "no", "false")
+
+
+def readable_address(x: torch.Tensor) -> int:
+    """The address of X's first value when X (a CPU tensor, contiguous) has memory of its
+    own that holds all its values; 0 when it must not be read: a wrapper tensor without
+    storage, autograd's efficient zero tensors and functionalize's wrappers (a null
+    pointer), a freed (shrunk) storage."""
+    try:
+        ptr = x.data_ptr()            # a wrapper tensor (no storage) raises
+    except RuntimeError:
+        return 0
+    if not ptr or x._is_zerotensor() or x.untyped_storage().nbytes() \
+            < (x.storage_offset() + x.numel()) * x.element_size():
+        return 0
+    return ptr
+
+
+def compiler() -> list:
+    cc = os.environ.get("CC")
+    if cc:
+        return shlex.split(cc)
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            return [path]
+    raise OSError("no C compiler (cc, gcc or clang; or set CC)")
+
+
+def private(d: str) -> bool:
+    """Whether D is (now) a folder of this user's that no one else may write to: a library
+    found there is loaded into this process, so another user must not be able to put one
+    there (a shared /tmp)."""
+    try:
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        st = os.lstat(d)
+    except OSError:
+        return False
+    return (stat.S_ISDIR(st.st_mode) and not st.st_mode & 0o022 and os.access(d, os.W_OK)
+            and (not hasattr(os, "getuid") or st.st_uid == os.getuid()))
+
+
+def cache_dir() -> str:
+    """$MLDEBUG_CACHE_DIR, else $XDG_CACHE_HOME/mldebug or ~/.cache/mldebug, else
+    /tmp/mldebug-UID: the first that is private (`private`); else a new private folder
+    for this process only (the kernels are then built again by the next one)."""
+    d = os.environ.get("MLDEBUG_CACHE_DIR")
+    if not d:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
+                                                                 ".cache")
+        d = os.path.join(base, "mldebug")
+    user = os.getuid() if hasattr(os, "getuid") else 0
+    for where in (d, os.path.join(tempfile.gettempdir(), f"mldebug-{user}")):
+        if private(where):
+            return where
+    return tempfile.mkdtemp(prefix="mldebug-")
+
+
+def library(source: str, flags: tuple, rebuild: bool = False) -> str:
+    """The built library's path, built now when missing or REBUILD (written under a
+    temporary name and renamed: processes that build at once never see half a file). The
+    cache key is the source, the flags and the machine type: a library built once serves
+    every later process, with or without a compiler."""
+    with open(source, "rb") as f:
+        src = f.read()
+    key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(),
+                                     platform.machine().encode(), sys.platform.encode()]))
+    stem = os.path.splitext(os.path.basename(source))[0]
+    path = os.path.join(cache_dir(), f"{stem}-{key.hexdigest()[:16]}.so")
+    if os.path.exists(path) and not rebuild:
+        return path
+    cc = compiler()
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+    os.close(fd)
+    try:
+        error = ""
+        # target_clones needs GCC on x86-64 with ifunc support (glibc): else the baseline
+        for extra in ([], ["-DMLD_NO_CLONES"]):
+            run = subprocess.run(cc + list(flags) + extra + ["-o", tmp, source],
+                                 capture_output=True, text=True, timeout=120)
+            if run.returncode == 0:
+                os.replace(tmp, path)
+                return path
+            lines = run.stderr.strip().splitlines()
+            error = lines[-1] if lines else f"exit status {run.returncode}"
+        raise OSError(f"{cc[0]} could not build {os.path.basename(source)}: {error}")
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

@@ -1,0 +1,40 @@
+"""mldebug's C kernels: where they are built and cached, and which tensors they may read
+(mldebug/core/native.py)."""
+from __future__ import annotations
+
+import torch
+
+from mldebug.core import native
+
+
+def test_the_kernels_are_only_loaded_from_a_private_folder(tmp_path, monkeypatch):
+    """A library found in the cache is loaded into the process: a cache folder that
+    other users may write to (a shared /tmp) is not used."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("MLDEBUG_CACHE_DIR", str(shared))
+    assert not native.private(str(shared))
+    assert native.cache_dir() != str(shared)
+    mine = tmp_path / "mine"
+    monkeypatch.setenv("MLDEBUG_CACHE_DIR", str(mine))
+    assert native.cache_dir() == str(mine) and (mine.stat().st_mode & 0o777) == 0o700
+
+
+def test_a_kernel_reads_only_tensors_with_memory_of_their_own():
+    t = torch.arange(6.0)
+    assert native.readable_address(t) == t.data_ptr() != 0
+    assert native.readable_address(t[2:]) == t.data_ptr() + 8     # a view: its first value
+    freed = torch.ones(4)
+    freed.untyped_storage().resize_(0)                             # a freed storage
+    assert native.readable_address(freed) == 0
+    zero = torch._efficientzerotensor(3)                           # autograd's zeros
+    assert native.readable_address(zero) == 0
+    assert native.readable_address(torch.empty(0)) in (0, torch.empty(0).data_ptr())
+
+
+def test_mldebug_native_0_turns_every_kernel_off(monkeypatch):
+    monkeypatch.setenv("MLDEBUG_NATIVE", "0")
+    assert native.disabled()
+    monkeypatch.setenv("MLDEBUG_NATIVE", "1")
+    assert not native.disabled()

@@ -1,0 +1,75 @@
+"""Issue 22's budget on the CPU, counted, not timed: a healthy step under the watch
+dispatches at most 10% more aten ops than the plain step and adds no host read, on the
+three benchmark models (benchmarks/bench_watch.py: an MLP, a ResNet-18-like CNN, a
+GPT-like transformer with AdamW), with full coverage: every module output, gradient and
+optimizer result is still checked, by the C bit test (mldebug/watch/native_check.py),
+which reads memory in place instead of dispatching a `sum` and an `item` per tensor."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import mldebug
+from mldebug.watch import native_check
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import bench_watch  # noqa: E402
+from opcount import count_step  # noqa: E402
+
+
+def counts(name, watched):
+    torch.manual_seed(0)
+    model, loss_fn, opt = bench_watch.MODELS[name]("cpu")
+    ctx = mldebug.watch(action="raise") if watched else bench_watch.Plain()
+    with ctx:
+        ops, reads = count_step(lambda: bench_watch.step(model, loss_fn, opt))
+    return sum(ops.values()), reads
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt"])
+def test_the_watch_adds_at_most_a_tenth_of_the_steps_ops_and_no_host_read(name):
+    if native_check.reason():
+        pytest.skip(f"the C check is not built here: {native_check.reason()}")
+    plain_ops, plain_reads = counts(name, watched=False)
+    ops, reads = counts(name, watched=True)
+    assert ops - plain_ops <= 0.10 * plain_ops, (name, plain_ops, ops)
+    assert reads == plain_reads, (name, plain_reads, reads)
+
+
+def test_the_count_sees_the_torch_path_it_replaces(monkeypatch):
+    """Without the kernel (no compiler, MLDEBUG_NATIVE=0) each checked tensor costs a sum
+    and a read again: the count is what tells the two paths apart."""
+    monkeypatch.setitem(native_check._state, "fns", {})
+    plain_ops, plain_reads = counts("mlp", watched=False)
+    ops, reads = counts("mlp", watched=True)
+    assert reads > plain_reads and ops - plain_ops > 0.10 * plain_ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "permuted", "channels_last", "view"])
+def test_the_c_check_finds_what_isfinite_finds(dtype, layout):
+    if native_check.reason():
+        pytest.skip(f"the C check is not built here: {native_check.reason()}")
+    base = torch.randn(2, 3, 40, 50).to(dtype)
+    shaped = {"contiguous": lambda t: t, "permuted": lambda t: t.permute(2, 0, 3, 1),
+              "channels_last": lambda t: t.contiguous(memory_format=torch.channels_last),
+              "view": lambda t: t[1]}[layout]
+    assert native_check.nonfinite(shaped(base)) is False
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for at in ((0, 0, 0, 0), (1, 2, 39, 49), (1, 1, 20, 7)):
+            t = base.clone()
+            t[at] = bad
+            expected = not bool(torch.isfinite(shaped(t)).all())
+            assert native_check.nonfinite(shaped(t)) is expected, (bad, at)
+
+
+def test_the_c_check_leaves_what_it_cannot_read_to_torch():
+    strided = torch.randn(10, 10)[:, ::2]                # not one run of memory
+    assert native_check.nonfinite(strided) is None
+    assert native_check.nonfinite(torch.ones(3, dtype=torch.complex64)) is None
+    freed = torch.ones(8)
+    freed.untyped_storage().resize_(0)
+    assert native_check.nonfinite(freed) is None
