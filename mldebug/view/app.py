@@ -26,7 +26,7 @@ from . import state as _state
 from .doc_thread import on_doc_thread
 from .timeline_panel import TimelinePanel
 
-NAN_COLOR, POSINF_COLOR, NEGINF_COLOR = "#ff00ff", "#ff2828", "#00e6ff"
+NAN_COLOR, POSINF_COLOR, NEGINF_COLOR = (_slicing.KIND_COLORS[k] for k in (1, 2, 3))
 STATUS_COLORS = {"ok": "#dee2e6", "nonfinite": "#ff6b6b", "violation": "#ffa94d",
                  "failing": "#c92a2a"}
 ROW_H = 1.0
