@@ -7,10 +7,12 @@
 A NaN/Inf in a watched cell stops there: mldebug's prompt through the notebook's input
 box where the front end allows input, else the cell ends with `StopInCell` naming the
 stop; `mldebug.last_stop()` returns the Stop either way. Between cells nothing of
-mldebug is installed (cell.py). A `TensorSummary` shows as HTML (summaries/html.py).
+mldebug is installed (cell.py). A `TensorSummary` shows as HTML (summaries/html.py), a
+Graph (`mldebug.trace(model, x)`) as the view's graph figure (display.py).
 """
 from __future__ import annotations
 
+from . import display as _display
 from .cell import StopInCell  # noqa: F401
 from .magics import MLDebugMagics, NotebookDebug
 
@@ -25,6 +27,7 @@ def load_ipython_extension(shell) -> None:
         return
     state = _STATES[id(shell)] = NotebookDebug(shell)
     shell.register_magics(MLDebugMagics(shell, state))
+    _display.register(shell)         # mldebug.trace(...)'s Graph shows inline
 
 
 def unload_ipython_extension(shell) -> None:
@@ -33,6 +36,7 @@ def unload_ipython_extension(shell) -> None:
     if state is None:
         return
     state.turn_off()
+    _display.unregister(shell)
     magics = shell.magics_manager.magics
     for kind, names in (("line", ("mldebug", "inspect")), ("cell", ("mldebug",))):
         for name in names:

@@ -182,10 +182,5 @@ class PostMortem:
 def untrace() -> None:
     """Stepping at the prompt (`n`, `s`) left mldebug's tracer on: the cell is over,
     and the kernel's own code is nothing to step through."""
-    tracer = sys.gettrace()
-    if getattr(tracer, "__self__", None) is _debugger_if_any():
+    if isinstance(getattr(sys.gettrace(), "__self__", None), _debugger.MLCommands):
         sys.settrace(None)
-
-
-def _debugger_if_any() -> Optional[object]:
-    return getattr(_debugger, "_debugger", None) or object()
