@@ -60,3 +60,7 @@ def test_the_example_runs_top_to_bottom(tmp_path):
 
     assert "final loss" in outputs_text(by_source["%%mldebug --break-on nan,inf"])
     assert "mldebug: off" in outputs_text(by_source["%mldebug status"])
+
+    graph = by_source["mldebug.trace(model, inputs[:8])"].outputs
+    run = [o for o in graph if "application/vnd.bokehjs_exec.v0+json" in o.get("data", {})]
+    assert run and "0 (Linear) [8, 64] f32" in run[0].data["application/javascript"]
