@@ -13,7 +13,8 @@ Graph (`mldebug.trace(model, x)`) as the view's graph figure (display.py).
 from __future__ import annotations
 
 from . import display as _display
-from .cell import StopInCell  # noqa: F401
+from ..core import session as _session
+from .cell import CellPauser, StopInCell  # noqa: F401
 from .magics import MLDebugMagics, NotebookDebug
 
 __all__ = ["load_ipython_extension", "unload_ipython_extension", "StopInCell"]
@@ -22,11 +23,18 @@ _STATES: dict = {}   # id(shell) -> NotebookDebug
 
 
 def load_ipython_extension(shell) -> None:
-    """`%load_ext mldebug`: register the magics (idempotent); starts nothing."""
+    """`%load_ext mldebug`: register the magics and the Graph's display (idempotent);
+    starts nothing."""
     if id(shell) in _STATES:
         return
     state = _STATES[id(shell)] = NotebookDebug(shell)
     shell.register_magics(MLDebugMagics(shell, state))
+    # a watch the user starts in a cell (`with mldebug.watch():`) stops as %mldebug's
+    # do: the prompt in the input box, or StopInCell, never a wait for input that
+    # cannot come
+    session = _session.current()
+    if session.pauser is None:
+        session.pauser = CellPauser(shell, session)
     _display.register(shell)         # mldebug.trace(...)'s Graph shows inline
 
 

@@ -140,6 +140,8 @@ def executed(tmp_path_factory):
         "mldebug.summary(s)",                                         # 13 rich display
         "%inspect s",                                                 # 14
         "print(json.dumps(BEFORE))",                                  # 15
+        "with mldebug.watch():\n    torch.log(-torch.ones(3))",        # 16 a user's watch
+        "print(json.dumps(installed()))",                             # 17
     ]
     return run_notebook(cells, tmp)
 
@@ -199,3 +201,9 @@ def test_a_summary_shows_as_html_and_its_text_is_the_line(executed):
     (inspected,) = executed.cells[14].outputs
     assert "mldebug-heatmap" in inspected.data["text/html"]
     assert inspected.data["text/plain"].startswith("s: tensor[6, 8] f32")
+
+
+def test_a_watch_of_the_users_own_stops_the_same_way(executed):
+    (error,) = errors_of(executed.cells[16])
+    assert error.ename == "StopInCell" and "3 NaN from aten.log.default" in error.evalue
+    assert last_json(executed.cells[17]) == last_json(executed.cells[15])   # closed by `with`
