@@ -1,6 +1,7 @@
-"""`mldebug.trace(model, x)` in a notebook: the browser view's graph figure through
-Bokeh's notebook output, BokehJS inline (no CDN). Its outputs, put on a page as a
-notebook front end runs them, draw in headless Chromium with the network cut off."""
+"""`mldebug.trace(model, x)` and a recording in a notebook: the browser view's graph
+figure and Timeline plots through Bokeh's notebook output, BokehJS inline (no CDN).
+Their outputs, put on a page as a notebook front end runs them, draw in headless
+Chromium with the network cut off."""
 from __future__ import annotations
 
 import json
@@ -24,12 +25,28 @@ graph = mldebug.trace(model, torch.randn(2, 4))
 graph
 """
 
+RECORD = """\
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+x, y = torch.randn(32, 4), torch.randn(32, 1)
+with mldebug.record(net, run_dir="runs", run="tiny") as rec:
+    for _ in range(6):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(net(x), y)
+        loss.backward()
+        opt.step()
+        mldebug.log_scalar("loss", loss)
+rec
+"""
+
 
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory):
-    nb = run_notebook(["%load_ext mldebug", MODEL, "graph"],
+    nb = run_notebook(["%load_ext mldebug", MODEL, "graph", RECORD,
+                       "mldebug.record.open_run('runs/tiny.sqlite')"],
                       tmp_path_factory.mktemp("g"), allow_errors=False)
-    return nb.cells[1].outputs, nb.cells[2].outputs
+    return [cell.outputs for cell in nb.cells[1:]]
 
 
 def doc_json(exec_js: str) -> dict:
@@ -42,7 +59,7 @@ def labels_of(exec_js: str) -> list:
 
 
 def test_the_graph_is_bokehs_notebook_output_with_inline_resources(outputs):
-    first, second = outputs
+    first, second = outputs[:2]
     load, div, run = first
     assert "application/vnd.bokehjs_load.v0+json" in load.data
     assert len(load.data["application/javascript"]) > 1_000_000   # BokehJS itself, inline
@@ -58,16 +75,55 @@ def test_the_graph_is_bokehs_notebook_output_with_inline_resources(outputs):
     assert [sorted(o.data) for o in second] == [["text/html"], sorted(run.data)]
 
 
-def test_the_inline_graph_draws_offline_in_chromium(outputs, tmp_path):
-    load, div, run = outputs[0]
-    page_file = tmp_path / "graph.html"
+def model_of(exec_js: str, name: str) -> dict:
+    """The attributes of the model called NAME in a display's document."""
+    found = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            if node.get("attributes", {}).get("name") == name:
+                found.append(node["attributes"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+    walk(doc_json(exec_js))
+    return found[0]
+
+
+def test_a_recording_shows_its_timeline_from_the_recorder_and_from_its_file(outputs):
+    for cell in outputs[2:]:
+        (div, run) = cell                    # BokehJS is in the kernel already
+        js = run.data["application/javascript"]
+        kpi = dict(model_of(js, "mld-tl-kpi-a")["data"]["entries"])
+        assert kpi["value"]["shape"] == [6] and kpi["step"]["shape"] == [6]
+        image = dict(model_of(js, "mld-tl-hist-a")["data"]["entries"])
+        assert len(image["image"]) == 1       # the histograms over steps, one image
+        assert "KPI: loss" in js and "tiny" in js
+
+
+def page_of(outputs, tmp_path, name: str):
+    """A page that runs the BokehJS load, then the display's div and its script."""
+    load = outputs[0][0]
+    div, run = outputs[0][1:] if name == "graph" else outputs[2]
+    page_file = tmp_path / f"{name}.html"
     page_file.write_text(
         "<!doctype html><html><head><meta charset='utf-8'></head><body>"
         f"<script>{load.data['application/javascript']}</script>"
         f"{div.data['text/html']}<script>{run.data['application/javascript']}</script>"
         "</body></html>")
+    return page_file.as_uri()
+
+
+RED_JS = """c => { const d = c.getContext('2d').getImageData(0, 0,
+    c.width, c.height).data; let n = 0; for (let i = 0; i < d.length; i += 4)
+    if (d[i] === 255 && d[i+1] === 107 && d[i+2] === 107) n++; return n; }"""
+
+
+def test_the_inline_graph_and_timeline_draw_offline_in_chromium(outputs, tmp_path):
     with headless_chromium() as browser:
-        page = browser.new_page(viewport={"width": 900, "height": 600})
+        page = browser.new_page(viewport={"width": 1100, "height": 900})
         requests, errors = [], []
         page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
         page.on("pageerror", lambda e: errors.append(str(e)))
@@ -79,21 +135,29 @@ def test_the_inline_graph_draws_offline_in_chromium(outputs, tmp_path):
                 requests.append(route.request.url)
                 route.abort()
         page.route("**/*", offline)
-        page.goto(page_file.as_uri())
+
+        def wait(check):
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    if check():
+                        return
+                except Exception:  # noqa: BLE001 - not drawn yet
+                    pass
+                assert time.monotonic() < deadline, (errors, requests)
+                page.wait_for_timeout(100)
+
+        page.goto(page_of(outputs, tmp_path, "graph"))
         canvas = page.locator(".mld-graph canvas").first
-        red_js = """c => { const d = c.getContext('2d').getImageData(0, 0,
-            c.width, c.height).data; let n = 0; for (let i = 0; i < d.length; i += 4)
-            if (d[i] === 255 && d[i+1] === 107 && d[i+2] === 107) n++; return n; }"""
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if canvas.count() and canvas.evaluate(red_js) > 50:
-                    break     # the Explode row, in the non-finite colour
-            except Exception:  # noqa: BLE001 - the canvas is not there yet
-                pass
-            assert time.monotonic() < deadline, (errors, requests)
-            page.wait_for_timeout(100)
+        wait(lambda: canvas.count() and canvas.evaluate(RED_JS) > 50)   # the NaN module
         labels = page.evaluate("""() => Array.from(Bokeh.documents[0]
             .get_model_by_name('mld-graph-nodes').data.label)""")
         assert "0 (Linear) [2, 8] f32" in labels
+
+        page.goto(page_of(outputs, tmp_path, "timeline"))
+        wait(lambda: page.locator(".mld-tl-kpi-fig canvas").count()
+             and page.locator(".mld-tl-hist-a canvas").count())
+        steps = page.evaluate("""() => Bokeh.documents[0]
+            .get_model_by_name('mld-tl-kpi-a').data.value.length""")
+        assert steps == 6
     assert errors == [] and requests == []
