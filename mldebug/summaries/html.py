@@ -1,13 +1,14 @@
 """A `TensorSummary` as HTML, for Jupyter's rich display (`TensorSummary._repr_html_`):
 the one-line summary, a small histogram of the finite values with the NaN/Inf counts in
-their colours, and for a 2-D tensor or array a thumbnail heatmap (the plane the view
-and the VS Code panel show, `slicing.slice_plane`, downsampled to THUMB_SIDE cells a
-side) with NaN/+Inf/-Inf cells in their colours. Self-contained: inline SVG and a PNG
-data URL, no script, nothing fetched.
+their colours, and for a 2-D to 4-D tensor or array a thumbnail heatmap (the plane the
+view and the VS Code panel show, `slicing.slice_plane`: the last two dims at index 0 of
+the others, downsampled to THUMB_SIDE cells a side) with NaN/+Inf/-Inf cells in their
+colours, beside the picture itself for an image (C, H, W) or a batch of them with C 1
+or 3. Self-contained: inline SVG and PNG data URLs, no script, nothing fetched.
 
-The heatmap needs the values: `summary(x)` keeps a weak reference to a 2-D X and the
-version it summarised (compute.py); when X is gone or was changed in place since, the
-HTML leaves the heatmap out rather than draw values the line does not describe.
+The pictures need the values: `summary(x)` keeps a weak reference to X and the version
+it summarised (compute.py); when X is gone or was changed in place since, the HTML
+leaves them out rather than draw values the line does not describe.
 """
 from __future__ import annotations
 
@@ -99,10 +100,22 @@ def _heatmap(value) -> str:
     scale = THUMB_PX / max(rows, cols)
     width, height = max(1, round(cols * scale)), max(1, round(rows * scale))
     shape = "×".join(str(n) for n in plane["shape"])
-    return (f'<div class="mldebug-heatmap"><img src="data:image/png;base64,{png}" '
-            f'width="{width}" height="{height}" style="image-rendering:pixelated" '
-            f'alt="heatmap of {shape}"><div style="font-size:10px;color:#868e96">'
-            f'{shape}{" (downsampled)" if plane["stride"] != [1, 1] else ""}</div></div>')
+    where = ""
+    if len(plane["shape"]) > 2:      # which plane: [0, :, :]
+        where = "[" + ", ".join(":" if i is None else str(i) for i in plane["index"]) + "]"
+    parts = [f'<div class="mldebug-heatmap"><img src="data:image/png;base64,{png}" '
+             f'width="{width}" height="{height}" style="image-rendering:pixelated" '
+             f'alt="heatmap of {shape}"><div style="font-size:10px;color:#868e96">'
+             f'{shape}{" " + where if where else ""}'
+             f'{" (downsampled)" if plane["stride"] != [1, 1] else ""}</div></div>']
+    image = plane.get("image")
+    if image:
+        scale = THUMB_PX / max(image["width"], image["height"])
+        parts.append(f'<div class="mldebug-image"><img src="data:image/png;base64,'
+                     f'{image["png_base64"]}" width="{round(image["width"] * scale)}" '
+                     f'height="{round(image["height"] * scale)}" alt="image"><div '
+                     f'style="font-size:10px;color:#868e96">as an image</div></div>')
+    return "".join(parts)
 
 
 def _rgb(color: str) -> bytes:

@@ -158,9 +158,10 @@ class TensorSummary:
 
 
 def keep_source(s: TensorSummary, x) -> None:
-    """Remember a 2-D X weakly, with its version, for the summary's heatmap (html.py)."""
+    """Remember a 2-D to 4-D X (a matrix, an image, a batch of images) weakly, with its
+    version, for the summary's heatmap (html.py)."""
     try:
-        if len(getattr(x, "shape", ())) == 2:
+        if 2 <= len(getattr(x, "shape", ())) <= 4:
             s.__dict__["_source"] = (weakref.ref(x), getattr(x, "_version", None))
     except TypeError:   # a type without weak references: no heatmap
         pass

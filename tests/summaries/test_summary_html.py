@@ -80,3 +80,17 @@ def test_a_summary_still_pickles_and_compares_as_before():
     back = pickle.loads(pickle.dumps(s))
     assert back == s and str(back) == str(s)
     assert "mldebug-heatmap" not in back._repr_html_()
+
+
+def test_an_image_batch_shows_its_first_plane_with_the_nan_and_the_picture():
+    x = torch.rand(2, 3, 32, 32)
+    x[0, 0, 5, 6] = float("nan")
+    html = mldebug.summary(x)._repr_html_()
+    width, height, rows = png_pixels(html)           # the heatmap comes first
+    assert (width, height) == (32, 32) and rows[5][6] == rgb(KIND_COLORS[1])
+    assert "2×3×32×32 [0, 0, :, :]" in html
+    assert 'class="mldebug-image"' in html           # and the batch's first image
+    assert "mldebug-image" not in mldebug.summary(y := torch.rand(5, 7, 9))._repr_html_()
+    assert "mldebug-heatmap" in mldebug.summary(y)._repr_html_()
+    assert "mldebug-heatmap" not in mldebug.summary(z := torch.rand(2, 2, 2, 2, 2))._repr_html_()
+    del z
