@@ -100,6 +100,26 @@ def test_an_uncaught_exception_opens_mldebugs_post_mortem(frontend):
     assert prompts == ["(mldebug) "] * 2 and "\n0\n" in text
 
 
+COUNTS = ("from torch.nn.modules import module as m\n"
+          "print(json.dumps([torch._C._len_torch_dispatch_stack(), len(m._global_forward_hooks),"
+          " len(m._global_forward_pre_hooks), torch.autograd.backward.__module__]))")
+
+
+def test_an_interrupted_cell_leaves_only_the_next_cells_engines(frontend):
+    status, text, _ = frontend.run(COUNTS, allow_stdin=False)
+    baseline = json.loads(text.strip().splitlines()[-1])   # one cell's engines
+    assert baseline[0] >= 1
+    status, text, _ = frontend.run(
+        "import threading, _thread\n"
+        "threading.Timer(1.0, _thread.interrupt_main).start()   # the kernel's interrupt\n"
+        "lin = torch.nn.Linear(64, 64)\n"
+        "while True:\n"
+        "    lin(torch.randn(64, 64)).sum().backward()\n", allow_stdin=False)
+    assert status == "error" and "KeyboardInterrupt" in text
+    status, text, _ = frontend.run(COUNTS, allow_stdin=False)
+    assert json.loads(text.strip().splitlines()[-1]) == baseline
+
+
 def test_off_leaves_nothing_installed(frontend):
     status, text, _ = frontend.run(
         "%mldebug off\n"
