@@ -108,7 +108,7 @@ class Engines:
         started = self._started
         watch = active_watch()
         if watch is not None and watch is not self._before and watch not in started:
-            started.insert(0, watch)      # started at the prompt: closed last-in first
+            started.append(watch)         # started at the prompt: the newest, closed first
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             while started:
@@ -127,6 +127,24 @@ def innermost_user_frame(tb):
     return frame
 
 
+def record_exception(session: _session.Session, exc: BaseException) -> Optional[Stop]:
+    """EXC, uncaught in a cell, as SESSION's stop (once: %%mldebug records it, then
+    IPython's post-mortem sees it), unless it is a stop's own end, a quit or a Ctrl-C."""
+    tb = exc.__traceback__
+    if isinstance(exc, (BatchStop, bdb.BdbQuit, KeyboardInterrupt)) or tb is None:
+        return None
+    recorded = getattr(exc, "_mldebug_stop", None)
+    if recorded is not None:
+        return recorded
+    stop = Stop.from_exception(exc, innermost_user_frame(tb))
+    session.record(stop)
+    try:
+        exc._mldebug_stop = stop
+    except AttributeError:        # an exception type with __slots__
+        pass
+    return stop
+
+
 class PostMortem:
     """What IPython's traceback handler calls for `%pdb`-style post-mortem and `%debug`
     while `%mldebug on` holds (its `debugger_cls`): the exception becomes the session's
@@ -142,26 +160,9 @@ class PostMortem:
     def reset(self) -> None:
         pass
 
-    def record_only(self, exc: BaseException) -> Optional[Stop]:
-        """EXC as the session's stop (an exception stop), unless it is a stop's own end,
-        a quit or a Ctrl-C."""
-        tb = exc.__traceback__
-        if isinstance(exc, (BatchStop, bdb.BdbQuit, KeyboardInterrupt)) or tb is None:
-            return None
-        recorded = getattr(exc, "_mldebug_stop", None)
-        if recorded is not None:      # %%mldebug recorded it, then IPython showed it
-            return recorded
-        stop = Stop.from_exception(exc, innermost_user_frame(tb))
-        self.session.record(stop)
-        try:
-            exc._mldebug_stop = stop
-        except AttributeError:        # an exception type with __slots__
-            pass
-        return stop
-
     def interaction(self, frame, tb) -> None:
         exc = getattr(sys, "last_value", None)
-        stop = self.record_only(exc) if exc is not None else None
+        stop = record_exception(self.session, exc) if exc is not None else None
         if stop is None:
             return
         tb = exc.__traceback__

@@ -103,7 +103,7 @@ class NotebookDebug:
         try:
             return self._execute(cell)
         except Exception as exc:        # an uncaught exception: the session's stop
-            _cell.PostMortem(self.shell, _session.current()).record_only(exc)
+            _cell.record_exception(_session.current(), exc)
             raise
         finally:
             self.end_cell()

@@ -142,6 +142,8 @@ def executed(tmp_path_factory):
         "print(json.dumps(BEFORE))",                                  # 15
         "with mldebug.watch():\n    torch.log(-torch.ones(3))",        # 16 a user's watch
         "print(json.dumps(installed()))",                             # 17
+        "%%mldebug\nv = 0\n1 / v",                                     # 18 an exception
+        "print(json.dumps(mldebug.last_stop().to_dict()))",           # 19
     ]
     return run_notebook(cells, tmp)
 
@@ -207,3 +209,11 @@ def test_a_watch_of_the_users_own_stops_the_same_way(executed):
     (error,) = errors_of(executed.cells[16])
     assert error.ename == "StopInCell" and "3 NaN from aten.log.default" in error.evalue
     assert last_json(executed.cells[17]) == last_json(executed.cells[15])   # closed by `with`
+
+
+def test_an_uncaught_exception_in_a_mldebug_cell_is_the_stop_at_its_cell_line(executed):
+    (error,) = errors_of(executed.cells[18])
+    assert error.ename == "ZeroDivisionError"
+    stop = last_json(executed.cells[19])
+    assert stop["reason"] == "exception" and stop["exception"] == "ZeroDivisionError: division by zero"
+    assert stop["line"] == 3          # the cell's own numbering: %%mldebug is line 1
