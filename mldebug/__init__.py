@@ -11,6 +11,9 @@ Public API (all lazy, so `import mldebug` stays cheap and patches nothing):
     view(port=None)       start the browser view (once); returns its URL with the token
     inspect(x, name=None, wait=False)   add x to the browser view's inspect list; wait
                           blocks until Continue in the page (returns x)
+    last_stop()           the Stop of the latest stop (None before any): `to_dict()` is
+                          the --report JSON
+    %load_ext mldebug     IPython/Jupyter: %mldebug on|off|status, %%mldebug, %inspect
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from .core.errors import MLDebugError, NonFiniteError, UsageError  # noqa: F401
 # of mldebug has loaded anyway.
 from .summaries import TensorSummary, describe, summary  # noqa: E402,F401
 
+from .core import session as _session_module  # noqa: E402
 from .core.session import Session as _Session  # noqa: E402
 
 
@@ -39,6 +43,24 @@ def _default_pauser(session):
 
 
 _Session.default_pauser = _default_pauser
+
+def last_stop():
+    """The Stop of the process's latest stop (NaN/Inf, assertion, exception, breakpoint),
+    or None before any; `last_stop().to_dict()` is its line of the --report JSON."""
+    session = _session_module.current_if_any()
+    return session.stops[-1] if session is not None and session.stops else None
+
+
+def load_ipython_extension(shell):
+    """`%load_ext mldebug` (mldebug/notebook): the magics, loaded only when asked."""
+    from .notebook import load_ipython_extension as load
+    load(shell)
+
+
+def unload_ipython_extension(shell):
+    from .notebook import unload_ipython_extension as unload
+    unload(shell)
+
 
 _LAZY = {
     "set_trace": ("debugger", "set_trace"),

@@ -101,19 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="append every stop to PATH as one JSON object per line "
                              "(keys: reason, message, file, line, function, stage, op, module, "
                              "assertion, ...). Example: --report stops.jsonl")
-    parser.add_argument("--break-on", default="nan,inf,assert,exception", metavar="KINDS",
-                        help="comma-separated stops: nan, inf, inf-all (every Inf, even "
-                             "masks), assert, exception, or none (default: %(default)s). "
-                             "Example: --break-on nan")
+    # --break-on, --watch, --allow: the same options as `%mldebug on` in a notebook
+    _break_on.add_watch_options(parser)
     parser.add_argument("--history", choices=("on", "off"), default="on",
                         help="keep the last steps' parameter/gradient norms in memory for "
                              "the `history` command (default: on; about 1%% of step time)")
-    parser.add_argument("--watch", choices=("on", "off", "exact"), default="on",
-                        help="the NaN/Inf watch (default: on; off costs nothing; exact: "
-                             "the per-op check everywhere, no re-runs of module calls)")
-    parser.add_argument("--allow", action="append", default=[], metavar="PATTERN",
-                        help="exempt ops or modules from the watch by pattern "
-                             "(repeatable), e.g. --allow 'aten.log*' --allow 'encoder.*'")
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="print mldebug's own log on stderr (-v: warnings and notes, "
                              "e.g. the recorder's fallback without a C compiler; -vv: debug)")

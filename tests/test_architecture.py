@@ -32,6 +32,7 @@ LAYERS = [
     ("mldebug.integrations", 7),  # framework callbacks: the engines started from inside
     ("mldebug.remote_prompt", 7),  # a rank's prompt on a socket when its terminal is hidden
     ("mldebug.attach", 7),        # ... and its client, `python -m mldebug attach HOST:PORT`
+    ("mldebug.notebook", 7),      # IPython/Jupyter: %load_ext mldebug, its magics
     ("mldebug.cli", 8),
     ("mldebug.__main__", 9),
     ("mldebug", 9),               # the package face

@@ -13,7 +13,7 @@ try:
 except ImportError:  # numpy-only use: summaries keep shape/dtype, stats say unavailable
     torch = None
 
-from .tensor_summary import HIST_BINS, VALUES_MAX, TensorSummary, _err, short_dtype
+from .tensor_summary import HIST_BINS, VALUES_MAX, TensorSummary, _err, keep_source, short_dtype
 
 HIST_EXACT_MAX = 1 << 18   # above this many elements the histogram is of a strided sample ...
 HIST_SAMPLE = 1 << 16      # ... of about this many elements
@@ -28,9 +28,13 @@ def summary(x) -> TensorSummary:
     try:
         if torch is not None and isinstance(x, torch.Tensor):
             with torch.no_grad():
-                return _tensor_summary(x)
+                s = _tensor_summary(x)
+            keep_source(s, x)
+            return s
         if isinstance(x, (np.ndarray, np.generic)):
-            return _array_summary(np.asarray(x))
+            s = _array_summary(np.asarray(x))
+            keep_source(s, x)
+            return s
         return TensorSummary(kind=type(x).__name__, note="unavailable: not a tensor or array")
     except Exception as e:
         return TensorSummary(kind=type(x).__name__, note=f"unavailable: {_err(e)}")

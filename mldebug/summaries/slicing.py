@@ -22,6 +22,8 @@ EXACT_STATS_MAX = 1 << 22    # slices larger than this: min/max/hist of a stride
 HIST_BINS = 20
 NONFINITE_SCAN_MAX = 1 << 20  # a huge strided slice: NaN/Inf the stride missed, up to this many
 KIND_NAMES = {1: "nan", 2: "inf", 3: "-inf"}   # the per-cell codes of `kinds`
+# ... and their colours on every surface (the view's heatmap, the notebook's thumbnail)
+KIND_COLORS = {1: "#ff00ff", 2: "#ff2828", 3: "#00e6ff"}
 
 
 class SliceError(ValueError):

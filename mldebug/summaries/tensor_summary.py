@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -135,12 +136,46 @@ class TensorSummary:
         d["grad"] = self.grad.to_dict() if self.grad is not None else None
         return d
 
+    def _repr_html_(self) -> str:
+        """Jupyter's rich display: the line, a histogram, a heatmap of a 2-D value (html.py)."""
+        from .html import summary_html   # only a notebook asks
+        try:
+            return summary_html(self, source_of(self), format_number)
+        except Exception as e:  # noqa: BLE001 - the plain line is shown instead
+            return f"<code>{self}</code><!-- html failed: {_err(e)} -->"
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("_source", None)     # a weak reference does not pickle
+        return state
+
     def format_long(self) -> str:
         try:
             return _long(self)
         except Exception as e:
             return f"{self}\n  <format failed: {_err(e)}>"
 
+
+
+def keep_source(s: TensorSummary, x) -> None:
+    """Remember a 2-D to 4-D X (a matrix, an image, a batch of images) weakly, with its
+    version, for the summary's heatmap (html.py)."""
+    try:
+        if 2 <= len(getattr(x, "shape", ())) <= 4:
+            s.__dict__["_source"] = (weakref.ref(x), getattr(x, "_version", None))
+    except TypeError:   # a type without weak references: no heatmap
+        pass
+
+
+def source_of(s: TensorSummary):
+    """The value S summarised, while it is alive and unchanged; else None."""
+    kept = s.__dict__.get("_source")
+    if kept is None:
+        return None
+    x = kept[0]()
+    if x is None or getattr(x, "_version", None) != kept[1]:
+        return None
+    return x
 
 
 # ---------------------------------------------------------------------------------- text

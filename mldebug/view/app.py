@@ -14,7 +14,7 @@ from functools import partial
 from bokeh.layouts import column, row
 from bokeh.models import (Button, ColorBar, ColumnDataSource, CustomJSHover,
                           HoverTool, InlineStyleSheet, LinearColorMapper, RadioButtonGroup, Range1d, Select,
-                          Slider, TabPanel, Tabs, TapTool)
+                          Slider, TabPanel, Tabs)
 from bokeh.models import Div as _Div
 from bokeh.palettes import Viridis256
 from bokeh.plotting import figure
@@ -24,13 +24,10 @@ from ..summaries import slicing as _slicing
 from . import data as _data
 from . import state as _state
 from .doc_thread import on_doc_thread
+from .graph_figure import GraphFigure, open_marked
 from .timeline_panel import TimelinePanel
 
-NAN_COLOR, POSINF_COLOR, NEGINF_COLOR = "#ff00ff", "#ff2828", "#00e6ff"
-STATUS_COLORS = {"ok": "#dee2e6", "nonfinite": "#ff6b6b", "violation": "#ffa94d",
-                 "failing": "#c92a2a"}
-ROW_H = 1.0
-GRAPH_ROWS_SHOWN = 20   # rows in view; pan (drag) or wheel-zoom the graph for more
+NAN_COLOR, POSINF_COLOR, NEGINF_COLOR = (_slicing.KIND_COLORS[k] for k in (1, 2, 3))
 
 CSS = """
 .mld-state{font-size:14px;margin:2px 0}
@@ -129,26 +126,11 @@ class Page:
                        fill_color="#4c6ef5", line_color="#364fc7")
         self.stats = Div(text="", width=360, css_classes=["mld-stats-div"])
 
-        self.graph_src = ColumnDataSource(data=dict(id=[], label=[], x=[], y=[], cx=[], w=[],
-                                                    color=[]), name="mld-graph-nodes")
-        self.graph_fig = figure(width=520, height=460, tools="ypan,ywheel_zoom,reset",
-                                x_range=Range1d(0, 30), y_range=Range1d(GRAPH_ROWS_SHOWN - 0.5, -0.5),
-                                toolbar_location="above", title="graph of the last step "
-                                "(click ▸ to expand, a name to show its output)",
-                                css_classes=["mld-graph"])
-        self.graph_fig.axis.visible = False
-        self.graph_fig.grid.visible = False
-        node_r = self.graph_fig.rect(x="cx", y="y", width="w", height=0.8, fill_color="color",
-                                     line_color=None, source=self.graph_src)
-        self.graph_fig.text(x="x", y="y", text="label", source=self.graph_src,
-                            text_font_size="11px", text_baseline="middle")
-        self.toggle_src = ColumnDataSource(data=dict(id=[], x=[], y=[], arrow=[]),
-                                           name="mld-graph-toggles")
-        toggle_r = self.graph_fig.rect(x="x", y="y", width=0.9, height=0.8,
-                                       fill_alpha=0.0, line_color=None, source=self.toggle_src)
-        self.graph_fig.text(x="x", y="y", text="arrow", source=self.toggle_src,
-                            text_font_size="12px", text_baseline="middle", text_align="center")
-        self.graph_fig.add_tools(TapTool(renderers=[node_r, toggle_r]))
+        self.graph_view = GraphFigure("graph of the last step (click ▸ to expand, a name "
+                                      "to show its output)")
+        self.graph_view.add_tap()
+        self.graph_src, self.toggle_src = self.graph_view.src, self.graph_view.toggle_src
+        self.graph_fig = self.graph_view.fig
         self.graph_note = Div(text="", width=520, css_classes=["mld-graph-note"])
         self.assertions = Div(text="", width=560, css_classes=["mld-assertions-div"])
         self.timeline = TimelinePanel(self.doc, self.server, Div)
@@ -410,35 +392,13 @@ class Page:
     def _set_graph(self, graph, assertions_text):
         if graph is not self.graph and graph is not None:
             # open the root and the path to anything marked
-            self.expanded |= set(graph.roots)
-            for n in graph.nodes.values():
-                if n.kind == "module" and (n.nonfinite or n.violations or n.failing):
-                    p = n.parent
-                    while p is not None:
-                        self.expanded.add(p)
-                        p = graph.nodes[p].parent if p in graph.nodes else None
+            self.expanded = open_marked(graph, self.expanded)
         self.graph = graph
         self.assertions.text = assertions_text
         self._draw_graph()
 
     def _draw_graph(self):
-        rows = _data.graph_rows(self.graph, self.expanded)
-        rs = rows["rows"]
-        width = [max(4.0, len(r["label"]) * 0.55) for r in rs]
-        self.graph_src.data = dict(
-            id=[r["id"] for r in rs], label=[r["label"] for r in rs],
-            x=[r["depth"] * 1.2 + 1.0 for r in rs], y=[i * ROW_H for i in range(len(rs))],
-            cx=[r["depth"] * 1.2 + 1.0 + w / 2 - 0.1 for r, w in zip(rs, width)], w=width,
-            color=[STATUS_COLORS[r["status"]] for r in rs])
-        kids = [(i, r) for i, r in enumerate(rs) if r["has_children"]]
-        self.toggle_src.data = dict(id=[r["id"] for _, r in kids],
-                                    x=[r["depth"] * 1.2 + 0.45 for _, r in kids],
-                                    y=[i * ROW_H for i, _ in kids],
-                                    arrow=["▾" if r["open"] else "▸" for _, r in kids])
-        self.graph_fig.y_range.update(start=GRAPH_ROWS_SHOWN - 0.5, end=-0.5)
-        self.graph_fig.x_range.update(start=0, end=max([30.0] + [r["depth"] * 1.2 + 1 + w
-                                                                 for r, w in zip(rs, width)]))
-        self.graph_note.text = html.escape(rows["note"])
+        self.graph_note.text = html.escape(self.graph_view.draw(self.graph, self.expanded))
 
 
 def make_doc(doc, server):

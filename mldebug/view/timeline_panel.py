@@ -147,6 +147,21 @@ class TimelinePanel:
                                            row(self.mean_fig, self.absmax_fig, self.nonfinite_fig),
                                            self.kpi_fig, self.kpi_log_fig))
 
+    # -- a static document (a notebook's inline display) -------------------------------
+    def fill(self, found: dict, a: str, b: str, view: dict) -> None:
+        """Draw VIEW (`data.timeline_view` of run A, and B beside it) at once, on the
+        caller's thread: for a document no server serves (mldebug/notebook)."""
+        self.serial += 1
+        self.stale = False
+        self._show(self.serial, found, a, b, view)
+
+    def plots(self):
+        """The figures without the controls (a static document has no server to answer
+        them): the histogram image(s), the stat lines and the KPI."""
+        return column(row(*self.hist_fig),
+                      row(self.mean_fig, self.absmax_fig, self.nonfinite_fig),
+                      self.kpi_fig, self.kpi_log_fig)
+
     # -- the page -> the panel ---------------------------------------------------------
     def show(self, shown: bool) -> None:
         """The tab became the active one (True) or another did (False)."""

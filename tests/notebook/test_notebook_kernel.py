@@ -1,0 +1,219 @@
+"""`%load_ext mldebug` in a real Jupyter kernel (ipykernel), driven by nbclient as
+papermill and CI drive notebooks: no input box (allow_stdin is off), so a stop ends the
+cell with StopInCell naming it, `mldebug.last_stop()` has it in the next cell, a clean
+cell computes the same bits as without mldebug and leaves nothing installed, and a
+summary shows as HTML."""
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pytest
+
+from conftest import REPO, clean_env
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+TIMEOUT = 240      # per cell: a cold kernel imports torch on a busy 2-core machine
+
+SETUP = """\
+import json, sys
+import torch
+import mldebug
+from torch.nn.modules import module as module_hooks
+from torch.optim import optimizer as optim_hooks
+print(json.dumps({"executable": sys.executable, "mldebug": mldebug.__file__}))
+
+def installed():
+    \"\"\"What mldebug could leave behind: modes, global hooks, patches, a tracer.\"\"\"
+    from mldebug.watch import active_watch
+    from mldebug.graph import active_capture
+    return dict(
+        dispatch_modes=torch._C._len_torch_dispatch_stack(),
+        function_modes=len(torch.overrides._get_current_function_mode_stack()),
+        forward_pre=len(module_hooks._global_forward_pre_hooks),
+        forward=len(module_hooks._global_forward_hooks),
+        forward_always=len(module_hooks._global_forward_hooks_always_called),
+        backward=len(module_hooks._global_backward_hooks),
+        backward_pre=len(module_hooks._global_backward_pre_hooks),
+        optimizer_pre=len(optim_hooks._global_optimizer_pre_hooks),
+        optimizer_post=len(optim_hooks._global_optimizer_post_hooks),
+        autograd_backward=torch.autograd.backward.__module__,
+        tracer=repr(sys.gettrace()),
+        watch=repr(active_watch()),
+        capture=repr(active_capture()),
+        call_pdb=get_ipython().call_pdb,
+        events=[len(get_ipython().events.callbacks[e]) for e in ("pre_run_cell", "post_run_cell")],
+    )
+
+BEFORE = installed()
+
+def make():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    x, y = torch.randn(32, 4), torch.randn(32, 1)
+    return model, opt, x, y
+
+def train(model, opt, x, y, steps=5):
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+"""
+
+PLANTED = """\
+CELL_FILE = sys._getframe().f_code.co_filename
+model, opt, x, y = make()
+for step in range(3):
+    opt.zero_grad()
+    out = model(x)
+    bad = torch.log(out - 10.0)  # here
+    loss = bad.mean()
+    loss.backward()
+    opt.step()
+"""
+
+
+def planted_line() -> int:
+    return next(i for i, line in enumerate(PLANTED.splitlines(), 1) if "# here" in line)
+
+
+def run_notebook(cells: list[str], tmp_path, allow_errors: bool = True):
+    """Execute CELLS in a fresh python3 kernel (this interpreter, this worktree on
+    PYTHONPATH); the executed notebook."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(textwrap.dedent(c))
+                                         for c in cells])
+    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=TIMEOUT,
+                                     startup_timeout=TIMEOUT, allow_errors=allow_errors,
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute(env=clean_env(MPLBACKEND="agg"))
+    return nb
+
+
+def text_of(cell) -> str:
+    parts = []
+    for out in cell.outputs:
+        if out.output_type == "stream":
+            parts.append(out.text)
+        elif out.output_type == "error":
+            parts.append("\n".join(out.traceback))
+        elif "text/plain" in out.get("data", {}):
+            parts.append(out.data["text/plain"])
+    return "".join(parts)
+
+
+def errors_of(cell) -> list:
+    return [o for o in cell.outputs if o.output_type == "error"]
+
+
+def last_json(cell):
+    lines = [line for line in text_of(cell).splitlines() if line.startswith(("{", "["))]
+    return json.loads(lines[-1])
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("nb")
+    cells = [
+        SETUP,                                                        # 0
+        "%load_ext mldebug",                                          # 1
+        "plain = train(*make())",                                     # 2 no mldebug
+        "%%mldebug\nwatched_once = train(*make())",                   # 3 one cell
+        "print(json.dumps(installed()))",                             # 4
+        "%mldebug on --break-on nan,inf,assert,exception",            # 5
+        "watched = train(*make())",                                   # 6 every cell
+        PLANTED,                                                      # 7 the stop
+        "stop = mldebug.last_stop()\n"                                # 8
+        "print(json.dumps(dict(stop.to_dict(), cell_file=CELL_FILE)))",
+        "%mldebug status",                                            # 9
+        "%mldebug off",                                               # 10
+        "print(json.dumps(installed()))",                             # 11
+        "print(json.dumps([torch.equal(a, b) for a, b in zip(plain * 2, watched_once + watched)]"
+        " + [len(plain)]))",                                          # 12
+        "s = torch.randn(6, 8); s[2, 3] = float('nan'); s[4, 1] = float('inf')\n"
+        "mldebug.summary(s)",                                         # 13 rich display
+        "%inspect s",                                                 # 14
+        "print(json.dumps(BEFORE))",                                  # 15
+        "with mldebug.watch():\n    torch.log(-torch.ones(3))",        # 16 a user's watch
+        "print(json.dumps(installed()))",                             # 17
+        "%%mldebug\nv = 0\n1 / v",                                     # 18 an exception
+        "print(json.dumps(mldebug.last_stop().to_dict()))",           # 19
+    ]
+    return run_notebook(cells, tmp)
+
+
+def test_the_kernel_runs_this_interpreter_and_this_worktree(executed):
+    info = last_json(executed.cells[0])
+    assert info["executable"] == sys.executable
+    assert info["mldebug"].startswith(str(REPO / "mldebug"))
+    assert not errors_of(executed.cells[1])
+
+
+def test_a_planted_nan_ends_the_cell_with_the_stop(executed):
+    cell = executed.cells[7]
+    (error,) = errors_of(cell)
+    assert error.ename == "StopInCell"
+    assert error.evalue.startswith("mldebug: stop: ")
+    assert "aten.log.default" in error.evalue and "[forward]" in error.evalue
+    shown = "\n".join(error.traceback)
+    assert "allow_stdin is off" in shown and "mldebug.last_stop()" in shown
+    # the cell's frames only: not the watch's, not torch's
+    assert "mldebug/watch" not in shown and "torch/" not in shown
+    assert "bad = torch.log(out - 10.0)" in shown
+
+
+def test_last_stop_in_the_next_cell_has_the_file_line_and_op(executed):
+    assert not errors_of(executed.cells[8])
+    stop = last_json(executed.cells[8])
+    assert stop["reason"] == "nan"
+    assert stop["file"] == stop["cell_file"]
+    assert stop["line"] == planted_line()
+    assert stop["op"] == "aten.log.default" and stop["torch_op"] == "torch.log"
+    assert stop["stage"] == "forward" and stop["created"] is True
+    assert "last stop:" in text_of(executed.cells[9]) and "aten.log" in text_of(executed.cells[9])
+
+
+def test_clean_cells_compute_the_same_bits_and_leave_nothing_installed(executed):
+    for index in (2, 3, 6):
+        assert not errors_of(executed.cells[index]), text_of(executed.cells[index])
+    equal = last_json(executed.cells[12])
+    assert equal[-1] == 4 and len(equal) == 9 and all(equal[:-1])
+    before = last_json(executed.cells[15])
+    assert last_json(executed.cells[4]) == before          # after a %%mldebug cell
+    assert last_json(executed.cells[11]) == before         # after %mldebug off
+    assert before["dispatch_modes"] == 0 and before["forward"] == 0
+    assert before["tracer"] == "None" and before["watch"] == "None"
+
+
+def test_a_summary_shows_as_html_and_its_text_is_the_line(executed):
+    (out,) = executed.cells[13].outputs
+    html = out.data["text/html"]
+    assert out.data["text/plain"].startswith("tensor[6, 8] f32")
+    assert "NaN!1" in out.data["text/plain"] and "+Inf!1" in out.data["text/plain"]
+    assert 'class="mldebug-hist"' in html and "<svg" in html
+    assert 'class="mldebug-heatmap"' in html and "data:image/png;base64," in html
+    assert "NaN 1" in html and "+Inf 1" in html
+    assert "<script" not in html and "http" not in html.replace("http://www.w3.org/2000/svg", "")
+    (inspected,) = executed.cells[14].outputs
+    assert "mldebug-heatmap" in inspected.data["text/html"]
+    assert inspected.data["text/plain"].startswith("s: tensor[6, 8] f32")
+
+
+def test_a_watch_of_the_users_own_stops_the_same_way(executed):
+    (error,) = errors_of(executed.cells[16])
+    assert error.ename == "StopInCell" and "3 NaN from aten.log.default" in error.evalue
+    assert last_json(executed.cells[17]) == last_json(executed.cells[15])   # closed by `with`
+
+
+def test_an_uncaught_exception_in_a_mldebug_cell_is_the_stop_at_its_cell_line(executed):
+    (error,) = errors_of(executed.cells[18])
+    assert error.ename == "ZeroDivisionError"
+    stop = last_json(executed.cells[19])
+    assert stop["reason"] == "exception" and stop["exception"] == "ZeroDivisionError: division by zero"
+    assert stop["line"] == 3          # the cell's own numbering: %%mldebug is line 1
