@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="print mldebug's own log on stderr (-v: warnings and notes, "
                              "e.g. the recorder's fallback without a C compiler; -vv: debug)")
+    parser.add_argument("--hold-timeout", type=float, default=None, metavar="SECONDS",
+                        help="one rank of a multi-process job, interactively: the process "
+                             "groups the program creates wait at least SECONDS in a "
+                             "collective, so that a rank blocked in one while another rank's "
+                             "prompt is open does not time out (default: 21600, 6 hours; "
+                             "0 keeps the program's timeouts)")
     parser.add_argument("--plain", action="store_true",
                         help="plain pdb prompt even on a terminal (no IPython colours)")
     # -- DAP front end (mldebug/dap): debugpy instead of the pdb prompt --
@@ -128,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _VALUE_OPTIONS = {"-m", "-c", "--command", "--report", "--break-on", "--watch", "--allow",
-                  "--listen", "--history"}
+                  "--listen", "--history", "--hold-timeout"}
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -336,7 +342,7 @@ def run(args) -> int:
             return EXIT_USAGE
     # one rank of several (torchrun): the ranks tell each other about stops (peers.py)
     from . import peers as _peers
-    _peers.start(session)
+    peers = _peers.start(session)
     # DAP mode (mldebug/dap): under debugpy (--listen, or launched by a DAP client) stops
     # go to the client; no pdb prompt, breakpoint() and uncaught exceptions stay debugpy's.
     from . import dap as _dap
@@ -387,6 +393,8 @@ def run(args) -> int:
     # Ctrl-C pauses at the user's next line (mldebug/interrupt.py); --batch and DAP runs
     # keep Python's Ctrl-C, which ends the program
     interrupts = debugger.install_interrupts() if debugger is not None else None
+    # one rank of several, interactively: its process groups outwait a prompt
+    hold = _peers.hold_timeouts(peers, getattr(args, "hold_timeout", None))
     try:
         if args.stop_at_start and debugger is not None:
             debugger.mainpyfile = debugger.canonic(program.filename)
@@ -425,6 +433,8 @@ def run(args) -> int:
         if history is not None:
             history.close()
         _close_watches(watch)
+        if hold is not None:
+            hold.close()
         sys.breakpointhook = saved_hook
 
 

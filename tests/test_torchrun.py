@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -289,3 +290,62 @@ def test_attach_says_what_is_wrong(tmp_path):
     gone = subprocess.run([sys.executable, "-m", "mldebug", "attach", f"127.0.0.1:{port}"],
                           capture_output=True, text=True, env=clean_env(), timeout=60)
     assert gone.returncode == 1 and f"cannot connect to 127.0.0.1:{port}" in gone.stderr
+
+
+SHORT_TIMEOUT = """
+    import os
+    import sys
+    import time
+    from datetime import timedelta
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=5))
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(8, 4)
+        loss = model(x).pow(2).mean()
+        if rank == 1 and step == 1:
+            time.sleep(2)         # rank 0 is inside the backward's all-reduce by now
+            bad = torch.log(-torch.ones(1))  # here
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    sys.stdout.write(f"rank {rank} weights {[p.detach().sum().item() for p in model.parameters()]}\\n")
+    sys.stdout.flush()
+    dist.destroy_process_group()
+    os._exit(0)
+"""
+
+
+def test_a_rank_inside_a_collective_outwaits_the_prompt(write_program, tmp_path):
+    """The program asks for a 5 s process group timeout; rank 0 is already blocked in
+    DDP's all-reduce when rank 1 stops, and the user stays at the prompt longer than 5 s:
+    mldebug's hold (core/pg_timeout.py) keeps rank 0 waiting, and `c` lets both finish."""
+    pexpect = pytest.importorskip("pexpect")
+    prog = write_program(SHORT_TIMEOUT)
+    child = pexpect.spawn(sys.executable, ["-m", "torch.distributed.run", "--standalone",
+                                           "--nproc-per-node", "2", "-m", "mldebug", str(prog)],
+                          cwd=str(tmp_path), env=clean_env(), encoding="utf-8", timeout=60,
+                          dimensions=(40, 200))
+    try:
+        child.expect(r"\[rank 0\] mldebug: process groups wait up to 6:00:00 in a collective "
+                     r"\(not the program's 0:00:05\)")
+        child.expect(r"\[rank 1\] mldebug: 1 NaN from aten\.log")
+        child.expect(r"\(mldebug\)")
+        time.sleep(8)               # longer than the program's timeout
+        child.sendline("c")
+        child.expect(pexpect.EOF)
+        out = child.before
+    finally:
+        child.close(force=True)
+    # (with --hold-timeout 0 rank 0 dies here: gloo's 'Timed out', rank 1's 'Connection
+    # closed by peer' at its backward, and a post-mortem prompt)
+    assert "Timed out" not in out and "Connection closed by peer" not in out, out
+    assert child.exitstatus == 0, out
+    assert sorted(re.findall(r"rank (\d) weights", out)) == ["0", "1"]
