@@ -94,6 +94,32 @@ def test_a_nan_on_rank_1_stops_it_and_rank_0_writes_peer_stop(write_program, tmp
     assert _exit_codes(combined) == {0: 3, 1: 3}             # --batch's status, no kill
 
 
+def test_accelerate_launch_runs_the_job_the_same_way(write_program, tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2 -m mldebug ...` (accelerate's
+    multi-process launcher is torchrun's, run in-process; --multi_gpu is its name for it
+    even on CPU: `--cpu` would launch one process): no config file, no network, a free
+    port. Rank 1 stops, rank 0 writes its peer_stop line, both exit 3."""
+    pytest.importorskip("accelerate")
+    prog = write_program(TRAIN)
+    result = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+         "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+         "--main_process_port", "0", "-m", "mldebug", "--batch", "--report",
+         str(tmp_path / "r.jsonl"), str(prog), "forward"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env=clean_env(HF_HOME=str(tmp_path / "hf")))    # no accelerate config anywhere
+    stops = {s["rank"]: s for s in read_report(tmp_path / "r.jsonl")}
+    assert sorted(stops) == [0, 1], result.stdout + result.stderr
+    assert (stops[1]["reason"], stops[1]["line"]) == ("inf", marker_line(prog, "# here forward"))
+    assert stops[0]["reason"] == "peer_stop" and stops[0]["peer"]["rank"] == 1
+    assert stops[0]["message"].startswith(
+        f"rank 1 stopped at prog.py:{stops[1]['line']} (Inf from aten.div)")
+    combined = result.stdout + result.stderr
+    assert "[rank 0] mldebug: stop: rank 1" in combined
+    assert "Connection closed by peer" not in combined
+    assert _exit_codes(combined) == {0: 3, 1: 3}
+
+
 def test_a_nan_made_on_rank_1_reaches_rank_0_through_the_all_reduce(write_program, tmp_path):
     prog = write_program(TRAIN)
     result = _torchrun(["-m", "mldebug", "--batch", "--report", tmp_path / "r.jsonl", prog,
