@@ -4,6 +4,7 @@ exits 3; a NaN that reaches a rank through the gradient all-reduce names the ran
 made it; nothing hangs (every run has a timeout, and hitting it fails the test)."""
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -21,7 +22,7 @@ TRAIN = """
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    where = sys.argv[1]           # none | forward | allreduce
+    where = sys.argv[1]           # none | forward | allreduce | raise
 
 
     class Norm(nn.Module):
@@ -42,6 +43,8 @@ TRAIN = """
         out = model(x)
         if where == "forward" and rank == 1 and step == 2:
             out = out / torch.zeros_like(out)  # here forward
+        if where == "raise" and rank == 1 and step == 2:
+            raise ValueError("a bad batch on rank 1")  # here raise
         loss = ((out - y) ** 2).mean()
         opt.zero_grad()
         loss.backward()
@@ -92,6 +95,31 @@ def test_a_nan_on_rank_1_stops_it_and_rank_0_writes_peer_stop(write_program, tmp
     assert "[rank 1] mldebug: stop: " in combined and "[rank 0] mldebug: stop: rank 1" in combined
     assert "Connection closed by peer" not in combined
     assert _exit_codes(combined) == {0: 3, 1: 3}             # --batch's status, no kill
+
+
+def test_an_uncaught_exception_on_rank_1_ends_rank_0_with_peer_stop(write_program, tmp_path):
+    """--batch: rank 1 raises (no NaN); rank 0, by then blocked in the step's all-reduce,
+    writes its peer_stop line naming rank 1's exception and exits 3; rank 1 keeps an
+    uncaught exception's status 1; nothing waits for gloo's timeout."""
+    prog = write_program(TRAIN)
+    started = time.monotonic()
+    result = _torchrun(["-m", "mldebug", "--batch", "--report", tmp_path / "r.jsonl", prog,
+                        "raise"], cwd=tmp_path, timeout=90)
+    assert time.monotonic() - started < 60
+    stops = {s["rank"]: s for s in read_report(tmp_path / "r.jsonl")}
+    assert sorted(stops) == [0, 1], result.stdout + result.stderr
+    raised = stops[1]
+    assert (raised["reason"], raised["line"]) == ("exception", marker_line(prog, "# here raise"))
+    assert "ValueError: a bad batch on rank 1" in raised["message"]
+    peer = stops[0]
+    assert peer["reason"] == "peer_stop" and peer["exception"] == ""
+    assert peer["peer"]["rank"] == 1 and peer["peer"]["line"] == raised["line"]
+    assert peer["message"].startswith(f"rank 1 stopped at prog.py:{raised['line']} (uncaught "
+                                      "ValueError: a bad batch on rank 1")
+    combined = result.stdout + result.stderr
+    assert "[rank 0] mldebug: stop: rank 1 stopped" in combined
+    assert "Connection closed by peer" not in combined
+    assert _exit_codes(combined) == {0: 3, 1: 1}
 
 
 def test_accelerate_launch_runs_the_job_the_same_way(write_program, tmp_path):
@@ -162,6 +190,20 @@ WRAPPERS = """
     rank = dist.get_rank()
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+    class WithSpare(nn.Module):     # a parameter no forward uses: find_unused_parameters'
+        def __init__(self, body):
+            super().__init__()
+            self.body = body
+            self.spare = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.body(x)
+
+
+    if mode == "unused":
+        net = WithSpare(net)
     if mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
         for layer in net:
@@ -183,6 +225,9 @@ WRAPPERS = """
             ((model(x) - y) ** 2).mean().backward()
         opt.step()
         opt.zero_grad()
+    if mode == "unused":             # DDP found it unused: no gradient, never updated
+        spare = model.module.spare.weight
+        sys.stdout.write(f"rank {rank} spare grad {spare.grad} sum {spare.detach().sum().item()}\\n")
     full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
     sys.stdout.write(f"rank {rank} weights {[p.detach().double().sum().item().hex() for p in full]}\\n")
     sys.stdout.flush()
@@ -207,6 +252,81 @@ def test_fsdp_and_ddp_options_run_clean_and_bitwise(write_program, tmp_path, mod
     assert read_report(tmp_path / "r.jsonl") == []
     weights = lambda out: sorted(l for l in out.splitlines() if " weights " in l)  # noqa: E731
     assert weights(watched.stdout) == weights(plain.stdout) and len(weights(plain.stdout)) == 2
+    if mode == "unused":
+        spare = sorted(l for l in watched.stdout.splitlines() if " spare grad " in l)
+        assert len(spare) == 2 and all(" spare grad None " in l for l in spare), spare
+        assert spare == sorted(l for l in plain.stdout.splitlines() if " spare grad " in l)
+
+
+COLLECTIVES = """
+    import collections
+    import os
+    import sys
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed import distributed_c10d as c10d
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    # every collective the Python API is asked for, by name, whoever asks
+    calls = collections.Counter()
+
+    def counting(name, fn):
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    for name in ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
+                 "reduce_scatter_tensor", "reduce", "barrier", "all_gather_object",
+                 "broadcast_object_list", "gather", "scatter", "all_to_all", "send", "recv"):
+        fn = getattr(c10d, name)
+        setattr(c10d, name, counting(name, fn))
+        setattr(dist, name, c10d.__dict__[name])
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    world = dist.group.WORLD
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank)
+    per_step = []
+    for step in range(5):
+        # every collective on the job's group, Python or C++ (DDP's reducer): its sequence
+        before, counted = world._get_sequence_number_for_group(), sum(calls.values())
+        x, y = torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
+        loss = ((model(x) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        per_step.append((world._get_sequence_number_for_group() - before,
+                         sum(calls.values()) - counted))
+    groups = len(c10d._world.pg_map)
+    sys.stdout.write(f"rank {rank} collectives {per_step} groups {groups} calls {dict(calls)}\\n")
+    sys.stdout.flush()
+    dist.destroy_process_group()
+    os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("mode", ["--batch", "interactive"])
+def test_the_watch_adds_no_collective_to_a_healthy_step(write_program, tmp_path, mode):
+    """Per healthy step, the job's group runs as many collectives under mldebug as under
+    plain python (its sequence number counts DDP's C++ all-reduce too), mldebug asks the
+    Python API for none and makes no process group of its own."""
+    prog = write_program(COLLECTIVES)
+    counts = lambda out: sorted(l for l in out.splitlines() if " collectives " in l)  # noqa: E731
+    plain = _torchrun([prog], cwd=tmp_path)
+    assert plain.returncode == 0, plain.stderr
+    watched = _torchrun(["-m", "mldebug", *([mode] if mode == "--batch" else []), prog],
+                        cwd=tmp_path)
+    assert watched.returncode == 0, watched.stderr
+    assert counts(watched.stdout) == counts(plain.stdout) and len(counts(plain.stdout)) == 2
+    # (the count is real: at least DDP's one gradient bucket, one all-reduce a step; the
+    # 2nd step also syncs DDP's rebuilt buckets)
+    found = re.search(r"collectives (\[.*?\]) groups 1 calls \{\}", plain.stdout)
+    assert found and all(on_group >= 1 for on_group, _ in ast.literal_eval(found.group(1))), plain.stdout
 
 
 PAUSE = """
