@@ -258,6 +258,65 @@ def test_fsdp_and_ddp_options_run_clean_and_bitwise(write_program, tmp_path, mod
         assert spare == sorted(l for l in plain.stdout.splitlines() if " spare grad " in l)
 
 
+MESH = """
+    import os
+    import sys
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    # the mesh initialises the default group itself and makes a group a dimension
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
+    rank = dist.get_rank()
+    timeout = lambda pg: pg._get_backend(torch.device("cpu")).options._timeout  # noqa: E731
+    timeouts = [timeout(dist.group.WORLD), timeout(mesh.get_group("shard")),
+                timeout(mesh.get_group("replicate"))]
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    model = fully_shard(net, mesh=mesh["shard"])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(3):
+        x, y = torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    full = [p.full_tensor() for p in model.parameters()]
+    sys.stdout.write(f"rank {rank} timeouts {[str(t) for t in timeouts]} "
+                     f"weights {[p.detach().double().sum().item().hex() for p in full]}\\n")
+    sys.stdout.flush()
+    dist.destroy_process_group()
+    os._exit(0)
+"""
+
+
+def test_a_device_mesh_job_gets_the_hold_interactively_and_trains_the_same(write_program,
+                                                                         tmp_path):
+    """init_device_mesh (2 ranks, a 1x2 mesh: groups made by the mesh) and FSDP2 on its
+    'shard' dimension, with mldebug interactively and no stop: every group waits the
+    6-hour hold (the backend's 30 minutes without mldebug, and with --batch), the wrapped
+    calls keep the mesh working, and the weights are the same bits."""
+    prog = write_program(MESH)
+    lines = lambda out: sorted(l for l in out.splitlines() if " timeouts " in l)  # noqa: E731
+    plain = _torchrun([prog], cwd=tmp_path)
+    assert plain.returncode == 0, plain.stderr
+    watched = _torchrun(["-m", "mldebug", prog], cwd=tmp_path)
+    assert watched.returncode == 0, watched.stderr
+    batch = _torchrun(["-m", "mldebug", "--batch", prog], cwd=tmp_path)
+    assert batch.returncode == 0, batch.stderr
+    assert len(lines(plain.stdout)) == 2
+    for line in lines(plain.stdout) + lines(batch.stdout):
+        assert "timeouts ['0:30:00', '0:30:00', '0:30:00']" in line
+    for line in lines(watched.stdout):
+        assert "timeouts ['6:00:00', '6:00:00', '6:00:00']" in line
+    weights = lambda out: [l.split(" weights ")[1] for l in lines(out)]  # noqa: E731
+    assert weights(watched.stdout) == weights(plain.stdout) == weights(batch.stdout)
+    assert "process groups wait up to 6:00:00" in watched.stderr
+    assert "process groups wait" not in batch.stderr
+
+
 COLLECTIVES = """
     import collections
     import os
