@@ -549,8 +549,30 @@ def test_a_rank_inside_a_collective_outwaits_the_prompt(write_program, tmp_path)
         out = child.before
     finally:
         child.close(force=True)
-    # (with --hold-timeout 0 rank 0 dies here: gloo's 'Timed out', rank 1's 'Connection
-    # closed by peer' at its backward, and a post-mortem prompt)
+    # (with --hold-timeout 0 rank 0 dies here: the test below)
     assert "Timed out" not in out and "Connection closed by peer" not in out, out
     assert child.exitstatus == 0, out
     assert sorted(re.findall(r"rank (\d) weights", out)) == ["0", "1"]
+
+
+def test_without_the_hold_that_rank_times_out(write_program, tmp_path):
+    """The same job with `--hold-timeout 0` (the program's 5 s): rank 0, blocked in the
+    all-reduce, dies with gloo's timeout while rank 1's prompt is open (what the hold is
+    for); `q` there still ends both."""
+    pexpect = pytest.importorskip("pexpect")
+    prog = write_program(SHORT_TIMEOUT)
+    child = pexpect.spawn(sys.executable, ["-m", "torch.distributed.run", "--standalone",
+                                           "--nproc-per-node", "2", "-m", "mldebug",
+                                           "--hold-timeout", "0", str(prog)],
+                          cwd=str(tmp_path), env=clean_env(), encoding="utf-8", timeout=60,
+                          dimensions=(40, 200))
+    try:
+        child.expect(r"\(mldebug\)")
+        child.expect(r"Timed out waiting 5000ms", timeout=20)
+        child.sendline("q")
+        child.expect(pexpect.EOF)
+        out = child.before
+    finally:
+        child.close(force=True)
+    assert "process groups wait" not in out
+    assert "rank 0 weights" not in out
