@@ -465,14 +465,18 @@ def _post_mortem(exc: BaseException, session: _session.Session, debugger) -> int
     if debugger is None or not session.wants("exception") or tb is None:
         print(f"{stop.tag}mldebug: stop: {stop.message}", file=sys.stderr, flush=True)
         return status
-    debugger.message(f"{stop.tag}mldebug: {stop.message}")
-    debugger.message("  (post-mortem: the program has ended; `where`, `up`, `inspect NAME`, "
-                     "`q` to quit)")
     debugger._current_stop = stop
-    try:
-        debugger.post_mortem_at(tb)
-    except bdb.BdbQuit:
-        pass
+
+    def pause():
+        debugger.message(f"{stop.tag}mldebug: {stop.message}")
+        debugger.message("  (post-mortem: the program has ended; `where`, `up`, "
+                         "`inspect NAME`, `q` to quit)")
+        try:
+            debugger.post_mortem_at(tb)
+        except bdb.BdbQuit:
+            pass
+    # (a rank of a job: the others hold meanwhile, and end with it)
+    session.pause_after_end(stop, pause)
     return status
 
 

@@ -17,7 +17,8 @@ once the program initialised it; never a server of our own).
   - interactively: one line, `[rank 0] waiting: rank 1 stopped at train.py:18 (NaN from
     aten.div)`, and the rank holds at its next step boundary (the start of a backward —
     before DDP's gradient all-reduce — or an optimizer step) until the stopped rank's
-    prompt continues; `quit` there ends every rank (status 0, as the stopped rank's).
+    prompt continues; `quit` there ends every rank (status 0, as the stopped rank's), and
+    so does the end of a post-mortem prompt (an uncaught exception: that rank is over).
     A rank already inside a collective stays there: a started collective cannot be
     released, so the process groups the program creates wait at least the debugging
     hold (`hold_timeouts`, core/pg_timeout.py: 6 hours unless `--hold-timeout`). One

@@ -576,3 +576,59 @@ def test_without_the_hold_that_rank_times_out(write_program, tmp_path):
         child.close(force=True)
     assert "process groups wait" not in out
     assert "rank 0 weights" not in out
+    # rank 0's post-mortem waits for its turn at the terminal
+    assert "[rank 0] mldebug: rank 1's prompt has the terminal" in out
+
+
+RAISE_INTERACTIVELY = """
+    import os
+    import sys
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = DDP(nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        if rank == 1 and step == 1:
+            raise ValueError("a bad batch on rank 1")  # here
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    sys.stdout.write(f"rank {rank} finished\\n")
+    dist.destroy_process_group()
+    os._exit(0)
+"""
+
+
+def test_interactively_an_uncaught_exception_holds_the_others_and_ends_them(write_program,
+                                                                            tmp_path):
+    """Rank 1 raises: its post-mortem prompt opens, rank 0 (blocked in the all-reduce)
+    says it waits for it; `q` there ends both (rank 1 keeps an exception's status 1)."""
+    pexpect = pytest.importorskip("pexpect")
+    prog = write_program(RAISE_INTERACTIVELY)
+    line = marker_line(prog)
+    child = pexpect.spawn(sys.executable, ["-m", "torch.distributed.run", "--standalone",
+                                           "--nproc-per-node", "2", "-m", "mldebug", str(prog)],
+                          cwd=str(tmp_path), env=clean_env(), encoding="utf-8", timeout=60,
+                          dimensions=(40, 200))
+    try:
+        seen = set()
+        while len(seen) < 2:
+            seen.add(child.expect([
+                r"\[rank 1\] mldebug: uncaught ValueError: a bad batch on rank 1",
+                rf"\[rank 0\] waiting: rank 1 stopped at prog\.py:{line} \(uncaught "
+                r"ValueError: a bad batch on rank 1"]))
+        child.expect(r"\(mldebug\)")
+        child.sendline("q")
+        child.expect(r"\[rank 0\] mldebug: rank 1 ended the program at its prompt")
+        child.expect(pexpect.EOF)
+        out = child.before
+    finally:
+        child.close(force=True)
+    assert "finished" not in out and "Connection closed by peer" not in out, out
+    assert _exit_codes(out) == {1: 1}, out
