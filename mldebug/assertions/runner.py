@@ -272,15 +272,11 @@ class Runner:
         return out
 
     def _declared_unused(self) -> set:
-        """ids of the parameters of a DistributedDataParallel model built with
-        find_unused_parameters=True: the program said they may get no gradient."""
-        ddp = sys.modules.get("torch.nn.parallel.distributed")
-        ddp = getattr(ddp, "DistributedDataParallel", None)
-        if ddp is None:
-            return set()
-        return {id(p) for root in list(self._roots.keys())
-                if isinstance(root, ddp) and getattr(root, "find_unused_parameters", False)
-                for _, p in self._roots.get(root) or ()}
+        """ids of the parameters of a DistributedDataParallel(find_unused_parameters=True)
+        model: the program said they may get no gradient."""
+        ddp = getattr(sys.modules.get("torch.nn.parallel.distributed"), "DistributedDataParallel", ())
+        return {id(p) for root in list(self._roots.keys()) if isinstance(root, ddp)
+                and getattr(root, "find_unused_parameters", False) for _, p in self._roots.get(root) or ()}
 
     # -- events ---------------------------------------------------------------------------
     def _on_pass_start(self, root) -> None:
@@ -439,8 +435,7 @@ class Runner:
         scoped = self._params(optimizer) if optimizer is not None else None
         every = None
         norms = None
-        declared = (self._declared_unused() if any(
-            getattr(a, "skips_declared_unused", False) for a in active) else set())
+        declared = self._declared_unused() if any(getattr(a, "skips_declared_unused", False) for a in active) else ()
         if any(getattr(a, "wants_norms", False) for a in active):
             norms = _grad_norms(scoped if scoped is not None else self._params())
         for a in active:
