@@ -1,7 +1,10 @@
 """Multi-rank jobs as a user launches them: `torchrun --nproc-per-node 2 -m mldebug ...`
-on CPU (gloo, DDP). A stop names its rank; the other rank writes a `peer_stop` line and
-exits 3; a NaN that reaches a rank through the gradient all-reduce names the rank that
-made it; nothing hangs (every run has a timeout, and hitting it fails the test)."""
+(and `accelerate launch`) on CPU (gloo, DDP, FSDP2, a device mesh). A stop names its
+rank; the other rank writes a `peer_stop` line and exits 3; a NaN that reaches a rank
+through the gradient all-reduce names the rank that made it; interactively the other
+ranks wait, outwait the process group's timeout, and end with the stopped rank; mldebug
+adds no collective to a healthy step; nothing hangs (every run has a timeout, and hitting
+it fails the test)."""
 from __future__ import annotations
 
 import ast
