@@ -109,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="print mldebug's own log on stderr (-v: warnings and notes, "
                              "e.g. the recorder's fallback without a C compiler; -vv: debug)")
+    parser.add_argument("--hold-timeout", type=float, default=None, metavar="SECONDS",
+                        help="one rank of a multi-process job, interactively: the process "
+                             "groups the program creates wait at least SECONDS in a "
+                             "collective, so that a rank blocked in one while another rank's "
+                             "prompt is open does not time out (default: 21600, 6 hours; "
+                             "0 keeps the program's timeouts)")
     parser.add_argument("--plain", action="store_true",
                         help="plain pdb prompt even on a terminal (no IPython colours)")
     # -- DAP front end (mldebug/dap): debugpy instead of the pdb prompt --
@@ -132,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _VALUE_OPTIONS = {"-m", "-c", "--command", "--report", "--break-on", "--watch", "--allow",
-                  "--listen", "--history"}
+                  "--listen", "--history", "--hold-timeout"}
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -333,7 +339,7 @@ def run(args) -> int:
             print(f"mldebug: error: --report {args.report!r}: {exc.strerror}", file=sys.stderr)
             return EXIT_USAGE
     # one rank of several (torchrun): the ranks tell each other about stops (peers.py)
-    _peers.start(session)
+    peers = _peers.start(session)
     # DAP mode (mldebug/dap): under debugpy (--listen, or launched by a DAP client) stops
     # go to the client; no pdb prompt, breakpoint() and uncaught exceptions stay debugpy's.
     try:
@@ -378,6 +384,8 @@ def run(args) -> int:
     # Ctrl-C pauses at the user's next line (mldebug/interrupt.py); --batch and DAP runs
     # keep Python's Ctrl-C, which ends the program
     interrupts = debugger.install_interrupts() if debugger is not None else None
+    # one rank of several, interactively: its process groups outwait a prompt
+    hold = _peers.hold_timeouts(peers, getattr(args, "hold_timeout", None))
     try:
         if args.stop_at_start and debugger is not None:
             debugger.mainpyfile = debugger.canonic(program.filename)
@@ -416,6 +424,8 @@ def run(args) -> int:
         if history is not None:
             history.close()
         _close_watches(watch)
+        if hold is not None:
+            hold.close()
         sys.breakpointhook = saved_hook
 
 
@@ -446,14 +456,18 @@ def _post_mortem(exc: BaseException, session: _session.Session, debugger) -> int
     if debugger is None or not session.wants("exception") or tb is None:
         print(f"{stop.tag}mldebug: stop: {stop.message}", file=sys.stderr, flush=True)
         return status
-    debugger.message(f"{stop.tag}mldebug: {stop.message}")
-    debugger.message("  (post-mortem: the program has ended; `where`, `up`, `inspect NAME`, "
-                     "`q` to quit)")
     debugger._current_stop = stop
-    try:
-        debugger.post_mortem_at(tb)
-    except bdb.BdbQuit:
-        pass
+
+    def pause():
+        debugger.message(f"{stop.tag}mldebug: {stop.message}")
+        debugger.message("  (post-mortem: the program has ended; `where`, `up`, "
+                         "`inspect NAME`, `q` to quit)")
+        try:
+            debugger.post_mortem_at(tb)
+        except bdb.BdbQuit:
+            pass
+    # (a rank of a job: the others hold meanwhile, and end with it)
+    session.pause_after_end(stop, pause)
     return status
 
 

@@ -17,10 +17,13 @@ once the program initialised it; never a server of our own).
   - interactively: one line, `[rank 0] waiting: rank 1 stopped at train.py:18 (NaN from
     aten.div)`, and the rank holds at its next step boundary (the start of a backward —
     before DDP's gradient all-reduce — or an optimizer step) until the stopped rank's
-    prompt continues; `quit` there ends every rank (status 0, as the stopped rank's).
-    A rank already inside a collective stays there (the process group's timeout still
-    counts for it). One prompt at a time on a host's terminal: a rank that stops while
-    another's prompt is open says so and waits its turn.
+    prompt continues; `quit` there ends every rank (status 0, as the stopped rank's), and
+    so does the end of a post-mortem prompt (an uncaught exception: that rank is over).
+    A rank already inside a collective stays there: a started collective cannot be
+    released, so the process groups the program creates wait at least the debugging
+    hold (`hold_timeouts`, core/pg_timeout.py: 6 hours unless `--hold-timeout`). One
+    prompt at a time on a host's terminal: a rank that stops while another's prompt is
+    open says so and waits its turn.
 
 Keys (under mldebug/<run id>/<restart>/): `first_stop` (compare-and-set: the job's first
 stop), `acks` / `first_stop_done` (--batch's exit handshake), `pauses` (a counter),
@@ -43,6 +46,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .core import autograd_patch as _autograd_patch
 from .core import session as _session
+from .core.pg_timeout import DEFAULT_HOLD_S, HoldTimeout
 from .core.ranks import RankInfo, this_rank
 from .core.records import Stop
 
@@ -115,6 +119,7 @@ class Peers:
         self.first: Optional[dict] = None
         self._holding = False         # a peer's prompt is open: hold at the next boundary
         self._my_pause: Optional[int] = None
+        self._said_hold = False
         session.listeners.insert(0, self._before_report)   # annotates what is reported
         session.add_listener(self._after_report)
         if not session.batch:
@@ -273,6 +278,17 @@ class Peers:
     def _tty(self) -> str:
         return f"tty/{self.info.host}"
 
+    def said_hold(self, name: str, old: Optional[timedelta], new: timedelta) -> None:
+        """Once a job (rank 0 says it): the process groups' timeout was raised."""
+        if self._said_hold or self.info.rank != 0:
+            return
+        self._said_hold = True
+        was = f"the program's {old}" if old is not None else "the backend's default"
+        print(f"{self.info.tag}mldebug: process groups wait up to {new} in a collective "
+              f"(not {was}), so that no rank times out while another rank's prompt is "
+              "open (--hold-timeout SECONDS; 0 keeps the program's)", file=sys.stderr,
+              flush=True)
+
     def _at_optimizer_step(self, optimizer, args, kwargs) -> None:
         self._hold()
 
@@ -399,6 +415,18 @@ def _ack(store) -> None:
         store.add(ACKS, 1)
     except Exception:  # noqa: BLE001
         pass
+
+
+def hold_timeouts(peers: Optional[Peers], seconds: Optional[float]) -> Optional[HoldTimeout]:
+    """Interactively, in a job of several ranks: the process groups the program creates
+    outwait a prompt (SECONDS, default 6 hours; 0 or less: the program's own timeouts).
+    None under --batch (a stop ends every rank at once) and for a single process."""
+    if peers is None or peers.session.batch:
+        return None
+    seconds = DEFAULT_HOLD_S if seconds is None else seconds
+    if seconds <= 0:
+        return None
+    return HoldTimeout(timedelta(seconds=seconds), peers.said_hold).install()
 
 
 def start(session: _session.Session) -> Optional[Peers]:

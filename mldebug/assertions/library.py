@@ -174,12 +174,15 @@ class ExplodingGradients(ParamAssertion):
 class NoGradient(ParamAssertion):
     """A parameter the optimizer steps on had no gradient (`.grad is None`) at `persist`
     consecutive steps: it is not connected to the loss (unused layer, a `.detach()`, an
-    accidental `torch.no_grad()`, a module built but never called)."""
+    accidental `torch.no_grad()`, a module built but never called). Not judged: the
+    parameters of a `DistributedDataParallel(..., find_unused_parameters=True)` model,
+    which the program declared may get none (the runner skips them)."""
 
     name = "param_no_grad"
     message = "a parameter that the optimizer updates received no gradient"
     hint = "check that the layer is used in forward and not cut off by .detach()/no_grad; drop it from the optimizer or freeze it (requires_grad_(False)) if intended"
     check_on = (BEFORE_STEP,)
+    skips_declared_unused = True
 
     def __init__(self, persist=3, **kw):
         super().__init__(**kw)

@@ -271,6 +271,13 @@ class Runner:
                         out.append((f"param_groups[{g}][{i}]", p))
         return out
 
+    def _declared_unused(self) -> set:
+        """ids of the parameters of a DistributedDataParallel(find_unused_parameters=True)
+        model: the program said they may get no gradient."""
+        ddp = getattr(sys.modules.get("torch.nn.parallel.distributed"), "DistributedDataParallel", ())
+        return {id(p) for root in list(self._roots.keys()) if isinstance(root, ddp)
+                and getattr(root, "find_unused_parameters", False) for _, p in self._roots.get(root) or ()}
+
     # -- events ---------------------------------------------------------------------------
     def _on_pass_start(self, root) -> None:
         if not self._listening():
@@ -428,6 +435,7 @@ class Runner:
         scoped = self._params(optimizer) if optimizer is not None else None
         every = None
         norms = None
+        declared = self._declared_unused() if any(getattr(a, "skips_declared_unused", False) for a in active) else ()
         if any(getattr(a, "wants_norms", False) for a in active):
             norms = _grad_norms(scoped if scoped is not None else self._params())
         for a in active:
@@ -440,8 +448,9 @@ class Runner:
             a.grad_norms = norms or {}
             first = None
             failed = 0
+            skip = declared if getattr(a, "skips_declared_unused", False) else ()
             for name, p in params:
-                if not a.applies(name):
+                if not a.applies(name) or id(p) in skip:
                     continue
                 ok = self._call(a, stage, lambda a=a, n=name, p=p: a.check(n, p, p.grad))
                 if ok is None:

@@ -24,7 +24,13 @@ class RankInfo:
     @property
     def tag(self) -> str:
         """'[rank 1] ': what every line this rank prints about a stop starts with."""
-        return f"[rank {self.rank}] "
+        return rank_tag(self.rank)
+
+
+def rank_tag(rank: Optional[int]) -> str:
+    """'[rank 1] ' for a rank of a job (a stop line, `history`, a recorded run's label);
+    '' for a single process (rank None)."""
+    return f"[rank {rank}] " if rank is not None else ""
 
 
 def _env_int(name: str) -> Optional[int]:

@@ -143,6 +143,18 @@ class Session:
             raise
         self._resumed(stop, ended=False)
 
+    def pause_after_end(self, stop: Stop, pause: Callable[[], None]) -> None:
+        """A pause that stop() does not make: the post-mortem prompt of a program that
+        has ended. The pause listeners hear of it as of any pause (the other ranks of a
+        job hold, one prompt at a time on a terminal), the resume listeners of its end,
+        always as ending the program."""
+        for listener in list(self.pause_listeners):
+            listener(stop)
+        try:
+            pause()
+        finally:
+            self._resumed(stop, ended=True)
+
     def _resumed(self, stop: Stop, ended: bool) -> None:
         for listener in list(self.resume_listeners):
             try:

@@ -31,6 +31,7 @@ import torch
 from torch.optim import optimizer as _optim_hooks
 
 from ..core.quiet import own_work
+from ..core.ranks import rank_tag, this_rank
 from ..graph import active_capture, last_graph
 from ..summaries.norms import l2_norms
 from .recorder import active_recorder
@@ -235,17 +236,24 @@ class History:
 
     def to_dict(self) -> dict:
         """JSON-able: {'steps': [...], 'stride': n, 'params': {name: {'norm': [...],
-        'grad_norm': [...]}}} (None where a step has no value)."""
+        'grad_norm': [...]}}, 'rank': R or None} (None where a step has no value)."""
         rows = self._snapshot()
         steps = [s for s, _ in rows]
         params: dict = {}
         for name in self.params_of("", rows):
             params[name] = {"norm": [_j(r.get(name, (None, None))[0]) for _, r in rows],
                             "grad_norm": [_j(r.get(name, (None, None))[1]) for _, r in rows]}
-        return {"steps": steps, "stride": self.stride, "params": params}
+        info = this_rank()
+        return {"steps": steps, "stride": self.stride, "params": params,
+                "rank": info.rank if info is not None else None}
 
     def format(self, module: str, max_params: int = 3) -> str:
-        """The table `history MODULE` prints."""
+        """The table `history MODULE` prints (its first line starts with '[rank R] ' in
+        a job of several ranks)."""
+        info = this_rank()
+        return rank_tag(info.rank if info is not None else None) + self._format(module, max_params)
+
+    def _format(self, module: str, max_params: int) -> str:
         rows = self._snapshot()
         names = self.params_of(module, rows)
         label = module or "the model"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from ..core.ranks import rank_tag
 from .store import list_runs
 
 
@@ -21,7 +22,8 @@ def format_runs(run_dir: str) -> str:
         first = "-" if r["first"] is None else str(r["first"])
         last = "-" if r["last"] is None else str(r["last"])
         scal = ", ".join(r["scalars"][:6]) + (" ..." if len(r["scalars"]) > 6 else "")
-        lines.append(f"  {r['name']:20} {status:11} {r['steps']:>6} {first:>7} {last:>7}  {scal}")
+        name = f"{rank_tag(r.get('rank'))}{r['name']}"
+        lines.append(f"  {name:20} {status:11} {r['steps']:>6} {first:>7} {last:>7}  {scal}")
         if r.get("note"):
             lines.append(f"      note: {r['note']}")
         if r.get("error"):

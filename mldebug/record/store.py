@@ -456,7 +456,8 @@ def open_run(path_or_name: str, run_dir: Optional[str] = None) -> Run:
 
 
 def list_runs(run_dir: str) -> list:
-    """[{name, path, status, steps, first, last, created, note}] for every run store in
+    """[{name, path, status, steps, first, last, created, note, scalars, rank,
+    world_size}] for every run store in
     RUN_DIR (sorted by name). Raises FileNotFoundError / NotADirectoryError."""
     if not os.path.exists(run_dir):
         raise FileNotFoundError(f"no such directory: {run_dir!r}")
@@ -474,9 +475,13 @@ def list_runs(run_dir: str) -> list:
                             "steps": len(steps), "first": steps[0] if steps else None,
                             "last": steps[-1] if steps else None,
                             "created": run.meta.get("created"), "note": run.meta.get("note", ""),
-                            "scalars": sorted(run.scalars())})
+                            "scalars": sorted(run.scalars()),
+                            # the rank of a multi-process job that recorded it (else None)
+                            "rank": run.meta.get("rank"),
+                            "world_size": run.meta.get("world_size")})
         except (ValueError, sqlite3.Error) as exc:
             out.append({"name": entry[:-len(SUFFIX)], "path": path, "status": "unreadable",
                         "error": str(exc), "steps": 0, "first": None, "last": None,
-                        "created": None, "note": "", "scalars": []})
+                        "created": None, "note": "", "scalars": [], "rank": None,
+                        "world_size": None})
     return out

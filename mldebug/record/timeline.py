@@ -12,7 +12,8 @@ is finite or None (`json.dumps(d, allow_nan=False)` works).
 several times in one step, its first call is shown (`calls` says how many there were).
 
     {"name": "baseline", "path": ..., "status": "closed", "steps": [0, 10, ...],
-     "meta": {...},
+     "meta": {...}, "rank": 1 (the rank of a job that recorded it; None: one process),
+     "world_size": 2,
      "series": [{"key": "fc:output[0]", "module": "fc", "kind": "output", "idx": 0,
                  "name": "", "role": "", "shape": [64, 10], "dtype": "float32",
                  "steps": [...], "calls": max invocations in a step,
@@ -99,6 +100,7 @@ def timeline(run, modules: Optional[Iterable[str]] = None,
                 if isinstance(v, (str, int, float, bool, list, type(None)))}
         return {"name": run.name, "path": run.path, "status": run.status,
                 "steps": run.steps(), "meta": meta, "series": out_series,
+                "rank": meta.get("rank"), "world_size": meta.get("world_size"),
                 "scalars": scalars,
                 "notes": [{"step": s, "text": t} for s, t in run.notes()]}
     finally:

@@ -21,6 +21,7 @@ from ..summaries import budgeted as _v
 from ..summaries import slicing as _slicing
 from ..summaries import summary
 from ..core import session as _session
+from ..core.ranks import rank_tag
 from ..core.records import data_text
 
 MAX_SIDE = 400          # heatmap cells per side: about the plot's size in pixels
@@ -276,6 +277,7 @@ def known_runs() -> dict:
         for r in found:
             runs.append({"name": r["name"], "path": os.path.abspath(r["path"]),
                          "status": r["status"], "steps": r["steps"], "dir": d,
+                         "rank": r.get("rank"),
                          "live": os.path.abspath(r["path"]) == live})
     return {"runs": runs, "notes": notes}
 
@@ -283,7 +285,7 @@ def known_runs() -> dict:
 def run_label(run: dict, several_dirs: bool) -> str:
     where = f" in {os.path.basename(run['dir']) or run['dir']}" if several_dirs else ""
     state = " (recording)" if run["live"] else " (unreadable)" if run["status"] == "unreadable" else ""
-    return f"{run['name']}{where}: {run['steps']} steps{state}"
+    return f"{rank_tag(run.get('rank'))}{run['name']}{where}: {run['steps']} steps{state}"
 
 
 def _side(t: Optional[dict], key: str, kpi: str, bins: int) -> dict:
@@ -291,7 +293,8 @@ def _side(t: Optional[dict], key: str, kpi: str, bins: int) -> dict:
     def arr(values):
         return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
 
-    out = {"name": t["name"] if t else "", "note": "", "image": None,
+    # the rank of a job that recorded it leads the name (legend, titles, notes)
+    out = {"name": f"{rank_tag(t.get('rank'))}{t['name']}" if t else "", "note": "", "image": None,
            "stats": {"step": np.zeros(0), "mean": np.zeros(0), "std": np.zeros(0),
                      "abs_max": np.zeros(0), "nonfinite": np.zeros(0)},
            "kpi": {"step": np.zeros(0), "value": np.zeros(0)}}
@@ -302,7 +305,7 @@ def _side(t: Optional[dict], key: str, kpi: str, bins: int) -> dict:
         out["kpi"] = {"step": arr(sc["steps"]), "value": arr(sc["values"])}
     series = next((s for s in t["series"] if s["key"] == key), None)
     if series is None:
-        out["note"] = f"no series {key} in run {t['name']}" if key else f"run {t['name']} has no series"
+        out["note"] = f"no series {key} in run {out['name']}" if key else f"run {out['name']} has no series"
         return out
     st = series["stats"]
     abs_max = arr(st["abs_max"])
@@ -331,7 +334,7 @@ def _side(t: Optional[dict], key: str, kpi: str, bins: int) -> dict:
         if series["calls"] > 1:
             out["note"] = f"{key} runs {series['calls']} times a step: its first call is shown"
     else:
-        out["note"] = f"{key}: no recorded step in run {t['name']}"
+        out["note"] = f"{key}: no recorded step in run {out['name']}"
     return out
 
 

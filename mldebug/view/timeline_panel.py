@@ -25,6 +25,7 @@ from bokeh.models import (Button, CheckboxGroup, ColumnDataSource, HoverTool,
 from bokeh.palettes import Viridis256
 from bokeh.plotting import figure
 
+from ..core.ranks import rank_tag
 from . import data as _data
 from .doc_thread import on_doc_thread
 
@@ -232,7 +233,7 @@ class TimelinePanel:
         runs = found["runs"]
         several = len({r["dir"] for r in runs}) > 1
         options = [(r["path"], _data.run_label(r, several)) for r in runs]
-        names = {r["path"]: r["name"] for r in runs}
+        names = {r["path"]: f"{rank_tag(r.get('rank'))}{r['name']}" for r in runs}
         self._setting = True
         try:
             self.run_a.options = options

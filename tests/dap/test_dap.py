@@ -62,6 +62,51 @@ def evaluate_json(dap: DapClient, expression: str, frame_id: int) -> dict:
     return json.loads(body["result"])
 
 
+TWO_RANKS = """
+    import os
+    import sys
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        if rank == 1 and step == 1:
+            bad = torch.log(-torch.ones(1))  # here
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    sys.stdout.write(f"rank {rank} weights {[p.detach().sum().item() for p in model.parameters()]}\\n")
+    sys.stdout.flush()
+    dist.destroy_process_group()
+    os._exit(0)     # (torch 2.13's gloo teardown aborts now and then at interpreter exit)
+"""
+
+
+def _kill_job(job: subprocess.Popen) -> None:
+    """End a torchrun job that a failed test left running: SIGTERM first (torchrun ends
+    its workers), then its whole process group."""
+    import os
+    import signal
+    job.terminate()
+    try:
+        job.wait(timeout=15)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(job.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        job.kill()
+    job.wait(timeout=10)
+
+
 # -- launch: a NaN stops in the user's frame --------------------------------------------------
 class TestLaunchStopsOnNaN:
     def test_a_nan_stops_at_the_users_line_with_the_op_in_exception_info(self, adapter, tmp_path):
@@ -194,6 +239,58 @@ class TestListenAndAttach:
             if debuggee.poll() is None:
                 debuggee.kill()
                 debuggee.wait(timeout=10)
+
+    def test_vs_code_attaches_to_every_rank_of_a_torchrun_job(self, write_program, tmp_path):
+        """The workflow of docs/multirank.md: `torchrun ... -m mldebug --listen PORT
+        --wait-for-client`, one attach a rank (the compound), on PORT+R. Rank 1's NaN
+        stops in its own session, rank 0 waits; Continue there lets both ranks finish."""
+        prog = write_program(TWO_RANKS)
+        port = free_port()
+        while True:                      # PORT+1 must be free too
+            try:
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port + 1))
+                break
+            except OSError:
+                port = free_port()
+        log = tmp_path / "job.log"
+        # (a file, not a pipe: debugpy's adapter processes hold the pipe open while a
+        # client is connected)
+        with open(log, "w") as out_file:
+            job = subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc-per-node", "2", "-m", "mldebug", "--listen", f"127.0.0.1:{port}",
+                 "--wait-for-client", str(prog)], cwd=tmp_path, env=clean_env(),
+                stdout=out_file, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        clients = []
+        try:
+            for rank in (0, 1):
+                dap = DapClient.connect("127.0.0.1", port + rank, timeout=60)
+                clients.append(dap)
+                dap.initialize()
+                dap.start("attach", {"name": f"mldebug: rank {rank}", "type": "python",
+                                     "request": "attach", "justMyCode": True,
+                                     "connect": {"host": "127.0.0.1", "port": port + rank}})
+            _, thread, top = stopped_frame(clients[1], "exception", timeout=60)
+            assert top["line"] == marker_line(prog)
+            assert "log" in clients[1].request("exceptionInfo", {"threadId": thread})["description"]
+            time.sleep(3)                 # a user looks around; rank 0 says it waits
+            assert not clients[0].has_event("stopped")        # rank 0 holds, no stop of its own
+            clients[1].request("continue", {"threadId": thread})
+            for dap in clients:
+                dap.wait_event("terminated", timeout=60)
+            job.wait(timeout=60)
+        finally:
+            for dap in clients:
+                dap.close()
+            if job.poll() is None:
+                _kill_job(job)
+        out = log.read_text()
+        assert job.returncode == 0, out
+        assert f"[rank 1] mldebug: debugpy listens on 127.0.0.1:{port + 1}" in out
+        assert re.search(rf"\[rank 0\] waiting: rank 1 stopped at prog\.py:{marker_line(prog)} "
+                         r"\(NaN from aten\.log\)", out), out
+        assert sorted(re.findall(r"rank (\d) weights", out)) == ["0", "1"]
 
     def test_a_bad_listen_address_is_a_usage_error(self, tmp_path):
         result = subprocess.run([sys.executable, "-m", "mldebug", "--listen", "nope:port",

@@ -142,3 +142,22 @@ def test_while_a_recording_gives_the_norms_the_history_computes_none(tmp_path):
         for name, (w, g) in want.items():
             assert row[name][0] == pytest.approx(w, rel=1e-5), (step, name)
             assert row[name][1] == pytest.approx(g, rel=1e-5), (step, name)
+
+
+def test_history_says_the_rank_in_a_job(monkeypatch):
+    """One rank of a launched job (RANK/WORLD_SIZE, as torchrun sets them): `history`
+    starts with '[rank R]', as the stop lines do; a single process has no tag."""
+    from mldebug.record.history import History
+
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with History() as h:
+        model(torch.randn(8, 4)).sum().backward()
+        opt.step()
+    assert h.format("").startswith("history of the model: steps 0..0")
+    assert h.to_dict()["rank"] is None
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert h.format("").startswith("[rank 1] history of the model: steps 0..0")
+    assert h.format("nope").startswith("[rank 1] history: no parameters under 'nope'")
+    assert h.to_dict()["rank"] == 1

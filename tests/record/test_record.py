@@ -817,3 +817,13 @@ def test_each_rank_of_a_job_records_to_its_own_run_with_its_rank(tmp_path, monke
         assert (run.meta["rank"], run.meta["world_size"]) == (1, 2)
         assert run.steps() == [0]
     assert (tmp_path / "exp-1-b.sqlite").exists()
+    # the run says its rank where runs are listed: the store's list, the runs command,
+    # the timeline's read
+    from mldebug.record.runs_command import format_runs
+    from mldebug.record.store import list_runs
+    from mldebug.record.timeline import timeline
+    listed = {r["name"]: r for r in list_runs(str(tmp_path))}
+    assert (listed["exp-rank1"]["rank"], listed["exp-rank1"]["world_size"]) == (1, 2)
+    assert "  [rank 1] exp-rank1 " in format_runs(str(tmp_path))
+    t = timeline(str(tmp_path / "exp-rank1.sqlite"))
+    assert (t["rank"], t["world_size"]) == (1, 2)

@@ -271,3 +271,22 @@ def test_log_scale_switches_the_histogram_colours_and_the_kpi_axis(page, runs):
         assert time.monotonic() < deadline
         page.wait_for_timeout(100)
     assert page.evaluate(VISIBLE_JS, "mld-tl-kpi-log") is False
+
+
+def test_the_timeline_says_the_rank_of_a_jobs_run(tmp_path, monkeypatch):
+    """A run recorded by rank 1 of a launched job (RANK/WORLD_SIZE as torchrun sets them)
+    is '[rank 1] ...' in the Timeline's run list, legend and plot titles; a single
+    process's run has no tag."""
+    from mldebug.view import data
+    train(tmp_path, "solo", 0.1, steps=2).close()
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    train(tmp_path, "exp", 0.1, steps=2).close()          # recorded as exp-rank1
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setattr(data, "run_dirs", lambda: [str(tmp_path)])
+    runs = {r["name"]: r for r in data.known_runs()["runs"]}
+    assert data.run_label(runs["exp-rank1"], False) == "[rank 1] exp-rank1: 1 steps"
+    assert data.run_label(runs["solo"], False) == "solo: 1 steps"
+    view = data.timeline_view(runs["exp-rank1"]["path"], runs["solo"]["path"])
+    assert [side["name"] for side in view["sides"]] == ["[rank 1] exp-rank1", "solo"]
