@@ -8,6 +8,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from conftest import clean_env, marker_line, read_report, run_cli
 
 LBFGS = """
@@ -203,3 +205,101 @@ def test_gradient_checkpointing_under_bf16_autocast(write_program, tmp_path):
     # and what the recomputation makes again (the NaN, what flows from it into the next
     # blocks) is the first stop's: no new stop in backward, none after
     assert [s["stage"] for s in read_report(report)] == ["forward"]
+
+
+# Hugging Face's own gradient checkpointing (`model.gradient_checkpointing_enable()`, torch's
+# non-reentrant checkpoint around each GPT-2 block) through the Trainer: the user's module
+# in the last block runs twice a step (forward, then recomputed in backward)
+HF_CHECKPOINTED = """
+    import sys
+    import torch
+    from torch import nn
+    from torch.utils.data import Dataset
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    bug = sys.argv[1] if len(sys.argv) > 1 else None      # None | loss | block
+    CALLS = []
+
+
+    class Tokens(Dataset):
+        def __init__(self):
+            g = torch.Generator().manual_seed(0)
+            self.ids = torch.randint(0, 64, (16, 12), generator=g)
+
+        def __len__(self):
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+    class MyMLP(nn.Module):
+        def __init__(self, mlp):
+            super().__init__()
+            self.mlp = mlp
+
+        def forward(self, h):
+            CALLS.append(torch.is_grad_enabled())
+            out = self.mlp(h)
+            if bug == "block" and STEP[0] == 2:
+                out = torch.log(out - 100.0)  # here block
+            return out
+
+
+    class MyTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+            STEP[0] = self.state.global_step
+            out = model(**inputs)
+            loss = out.loss
+            if bug == "loss" and self.state.global_step == 2:
+                loss = torch.log(loss - 100.0)  # here loss
+            return (loss, out) if return_outputs else loss
+
+
+    STEP = [0]
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    model = GPT2LMHeadModel(config)
+    model.transformer.h[1].mlp = MyMLP(model.transformer.h[1].mlp)
+    model.gradient_checkpointing_enable()
+    args = TrainingArguments(output_dir=sys.argv[0] + ".out", per_device_train_batch_size=4,
+                             max_steps=3, report_to=[], save_strategy="no", logging_strategy="no",
+                             disable_tqdm=True, use_cpu=True, seed=0, data_seed=0)
+    MyTrainer(model=model, args=args, train_dataset=Tokens()).train()
+    print("checkpointing", model.is_gradient_checkpointing, "calls", len(CALLS))
+    print("weights", sum(p.detach().double().sum().item() for p in model.parameters()).hex())
+"""
+
+
+def test_hugging_face_gradient_checkpointing_through_the_trainer_is_clean(write_program,
+                                                                         tmp_path):
+    prog = write_program(HF_CHECKPOINTED)
+    plain = _plain(prog)
+    # the blocks are recomputed: the user's module runs twice in each of the 3 steps
+    assert "checkpointing True calls 6" in plain
+    report = tmp_path / "clean.jsonl"
+    clean = run_cli(["--batch", "--report", str(report), str(prog)], timeout=300)
+    assert clean.returncode == 0, clean.stderr
+    assert read_report(report) == []
+    assert clean.stdout.splitlines()[-2:] == plain.splitlines()[-2:]    # the same bits
+
+
+@pytest.mark.parametrize("where,op,function", [
+    ("loss", "aten.log.default", "compute_loss"),
+    # made in the first forward, made again when backward recomputes the block
+    ("block", "aten.log.default", "forward")])
+def test_hugging_face_gradient_checkpointing_reports_a_nan_once(write_program, tmp_path,
+                                                               where, op, function):
+    prog = write_program(HF_CHECKPOINTED)
+    report = tmp_path / "r.jsonl"
+    # `c` at every prompt: the run goes on through the recomputation to its end
+    result = run_cli(["--report", str(report), str(prog), where], stdin="c\n" * 8,
+                     timeout=300)
+    assert result.returncode == 0, result.stderr
+    (stop,) = read_report(report)                       # once: not again in backward
+    assert (stop["reason"], stop["stage"], stop["op"], stop["step"]) == ("nan", "forward",
+                                                                         op, 2)
+    assert (stop["file"], stop["line"], stop["function"]) == (
+        str(prog), marker_line(prog, f"# here {where}"), function)
+    assert result.stdout.count("(mldebug) ") == 1
+    assert "weights" in result.stdout and "CheckpointError" not in result.stderr
