@@ -103,6 +103,26 @@ def test_a_compiled_model_trains_as_without_mldebug(write_program, tmp_path, for
         assert "Net runs under torch.compile" in err
 
 
+@pytest.mark.parametrize("form", ["torch.compile(model)", "model.compile()"])
+def test_a_compiled_model_with_the_watch_off(write_program, tmp_path, form):
+    """The original crash came with --watch off too: what stays on without the watch (the
+    graph capture and its assertions) is no more visible to dynamo."""
+    prog = write_program(TRAIN)
+    plain = subprocess.run([sys.executable, str(prog), form], capture_output=True,
+                           text=True, env=clean_env(), timeout=300)
+    assert plain.returncode == 0, plain.stderr
+    report = tmp_path / "r.jsonl"
+    result = run_cli(["--batch", "--watch", "off", "--report", str(report), str(prog), form],
+                     timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert read_report(report) == []
+    assert result.stdout == plain.stdout                   # same bits, graphs, no break
+    assert "graph breaks 0" in result.stdout and "graphs 1" in result.stdout
+    assert "Traceback" not in result.stderr
+    assert "Dynamo does not know how to trace" not in result.stderr
+    assert "global hooks on modules" not in result.stderr
+
+
 def test_a_nan_inside_a_compiled_module_stops_at_the_users_line(write_program, tmp_path):
     prog = write_program(NAN_INSIDE)
     report = tmp_path / "r.jsonl"
