@@ -149,8 +149,8 @@ CHECKPOINTED_BF16 = """
 """
 
 
-def _plain(prog) -> str:
-    result = subprocess.run([sys.executable, str(prog)], capture_output=True, text=True,
+def _plain(prog, *args) -> str:
+    result = subprocess.run([sys.executable, str(prog), *args], capture_output=True, text=True,
                             env=clean_env(), timeout=300)
     assert result.returncode == 0, result.stderr
     return result.stdout
@@ -217,7 +217,8 @@ HF_CHECKPOINTED = """
     from torch.utils.data import Dataset
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-    bug = sys.argv[1] if len(sys.argv) > 1 else None      # None | loss | block
+    bug = sys.argv[1] if sys.argv[1:2] != ["clean"] else None      # clean | loss | block
+    reentrant = sys.argv[2:] == ["reentrant"]       # torch's reentrant checkpoint instead
     CALLS = []
 
 
@@ -261,7 +262,10 @@ HF_CHECKPOINTED = """
     config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
     model = GPT2LMHeadModel(config)
     model.transformer.h[1].mlp = MyMLP(model.transformer.h[1].mlp)
-    model.gradient_checkpointing_enable()
+    if reentrant:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    else:
+        model.gradient_checkpointing_enable()           # transformers' default: non-reentrant
     args = TrainingArguments(output_dir=sys.argv[0] + ".out", per_device_train_batch_size=4,
                              max_steps=3, report_to=[], save_strategy="no", logging_strategy="no",
                              disable_tqdm=True, use_cpu=True, seed=0, data_seed=0)
@@ -271,34 +275,36 @@ HF_CHECKPOINTED = """
 """
 
 
+@pytest.mark.parametrize("kind", ["default", "reentrant"])
 def test_hugging_face_gradient_checkpointing_through_the_trainer_is_clean(write_program,
-                                                                         tmp_path):
+                                                                         tmp_path, kind):
     prog = write_program(HF_CHECKPOINTED)
-    plain = _plain(prog)
+    plain = _plain(prog, "clean", kind)
     # the blocks are recomputed: the user's module runs twice in each of the 3 steps
     assert "checkpointing True calls 6" in plain
     report = tmp_path / "clean.jsonl"
-    clean = run_cli(["--batch", "--report", str(report), str(prog)], timeout=300)
+    clean = run_cli(["--batch", "--report", str(report), str(prog), "clean", kind],
+                    timeout=300)
     assert clean.returncode == 0, clean.stderr
     assert read_report(report) == []
     assert clean.stdout.splitlines()[-2:] == plain.splitlines()[-2:]    # the same bits
 
 
-@pytest.mark.parametrize("where,op,function", [
-    ("loss", "aten.log.default", "compute_loss"),
+@pytest.mark.parametrize("where,kind,function", [
+    ("loss", "default", "compute_loss"),
     # made in the first forward, made again when backward recomputes the block
-    ("block", "aten.log.default", "forward")])
+    ("block", "default", "forward"), ("block", "reentrant", "forward")])
 def test_hugging_face_gradient_checkpointing_reports_a_nan_once(write_program, tmp_path,
-                                                               where, op, function):
+                                                               where, kind, function):
     prog = write_program(HF_CHECKPOINTED)
     report = tmp_path / "r.jsonl"
     # `c` at every prompt: the run goes on through the recomputation to its end
-    result = run_cli(["--report", str(report), str(prog), where], stdin="c\n" * 8,
+    result = run_cli(["--report", str(report), str(prog), where, kind], stdin="c\n" * 8,
                      timeout=300)
     assert result.returncode == 0, result.stderr
     (stop,) = read_report(report)                       # once: not again in backward
     assert (stop["reason"], stop["stage"], stop["op"], stop["step"]) == ("nan", "forward",
-                                                                         op, 2)
+                                                                         "aten.log.default", 2)
     assert (stop["file"], stop["line"], stop["function"]) == (
         str(prog), marker_line(prog, f"# here {where}"), function)
     assert result.stdout.count("(mldebug) ") == 1
