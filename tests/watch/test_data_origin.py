@@ -189,6 +189,43 @@ def test_without_the_corrupt_record_the_run_is_untouched(write_program, tmp_path
     assert r.stdout.splitlines()[-1].startswith("weights [") and "nan" not in r.stdout
 
 
+ITERABLE = """
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, IterableDataset
+
+
+    class Stream(IterableDataset):          # no dataset indices: only rows
+        def __iter__(self):
+            g = torch.Generator().manual_seed(0)
+            for i in range(200):
+                x = torch.randn(8, generator=g)
+                if i == 77:
+                    x[3] = float("nan")         # one corrupt record, row 13 of batch 4
+                yield x, torch.tensor([float(i)])
+
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    for x, y in DataLoader(Stream(), batch_size=16):
+        pred = model(x)  # here
+        pred.pow(2).mean().backward()
+"""
+
+
+def test_an_iterable_dataset_names_the_row_and_no_dataset_index(write_program, tmp_path):
+    # its sampler yields None for every sample: that is no index ('dataset index None')
+    prog = write_program(ITERABLE)
+    report = tmp_path / "r.jsonl"
+    r = run_cli(["--batch", "--report", str(report), str(prog)], timeout=180)
+    assert r.returncode == 3, r.stderr
+    (stop,) = read_report(report)
+    assert (stop["reason"], stop["stage"], stop["created"]) == ("nan", "forward", False)
+    assert (stop["file"], stop["line"]) == (str(prog), marker_line(prog))
+    assert stop["data"] == {"variable": "x", "rows": [13], "dataset_indices": None}
+    assert stop["message"].endswith("in the data: x row 13")
+
+
 CHECKPOINT = """
     import torch
     from torch import nn
