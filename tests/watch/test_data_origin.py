@@ -352,3 +352,61 @@ def test_lightning_with_workers_names_the_sample_in_training_step(write_program,
     assert (stop["reason"], stop["stage"]) == ("inf", "forward")
     assert (stop["line"], stop["function"]) == (marker_line(prog), "training_step")
     assert stop["data"]["variable"] == "x" and stop["data"]["dataset_indices"] == [77]
+
+
+HF_TRAINER = """
+    import sys
+    import torch
+    from torch import nn
+    from torch.utils.data import Dataset
+    from transformers import Trainer, TrainingArguments
+
+
+    class Records(Dataset):
+        def __init__(self):
+            g = torch.Generator().manual_seed(0)
+            self.x = torch.randn(200, 8, generator=g)
+            self.x[77, 3] = float("nan")          # one corrupt record
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            return {"features": self.x[i], "labels": torch.tensor([float(i)])}
+
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 1)
+
+        def forward(self, features, labels):
+            pred = self.fc(features)  # here
+            return {"loss": nn.functional.mse_loss(pred, labels * 0)}
+
+
+    torch.manual_seed(0)
+    args = TrainingArguments(output_dir=sys.argv[0] + ".out", per_device_train_batch_size=16,
+                             num_train_epochs=1, report_to=[], save_strategy="no",
+                             logging_strategy="no", disable_tqdm=True, use_cpu=True, seed=0,
+                             dataloader_num_workers=2)
+    Trainer(model=Net(), args=args, train_dataset=Records()).train()
+"""
+
+
+def test_hugging_face_trainer_with_workers_names_the_sample_in_the_models_forward(
+        write_program, tmp_path):
+    """The Trainer's loader (accelerate's wrapper, shuffled, 2 workers) hands the dict to
+    the model as keyword arguments: the sample is named by the parameter's name."""
+    pytest.importorskip("transformers")
+    prog = write_program(HF_TRAINER)
+    report = tmp_path / "r.jsonl"
+    r = run_cli(["--report", str(report), str(prog)],
+                stdin="p 'labels', labels[features.isnan().any(1)].flatten().tolist()\nq\n",
+                timeout=300)
+    (stop,) = read_report(report)
+    assert (stop["reason"], stop["stage"], stop["created"]) == ("nan", "forward", False)
+    assert (stop["file"], stop["line"], stop["function"]) == (str(prog), marker_line(prog),
+                                                              "forward")
+    assert stop["data"]["variable"] == "features" and stop["data"]["dataset_indices"] == [77]
+    assert "('labels', [77.0])" in r.stdout            # the row's own label says 77 too
