@@ -72,6 +72,14 @@ LIGHTNING = """
 """
 
 
+# trainer.fit(torch.compile(model)): Lightning compiles the module's training_step (a
+# bound method) with the module's dynamo context; no module hook runs inside it
+LIGHTNING_COMPILED = LIGHTNING.replace(
+    "out = out / torch.zeros_like(out)  # here", "out = out / torch.zeros_like(out)  # the bug"
+).replace("trainer.fit(model, DataLoader(data, batch_size=16))",
+          "trainer.fit(torch.compile(model), DataLoader(data, batch_size=16))  # here")
+
+
 HF_TRAINER = """
     import sys
     import torch
@@ -179,6 +187,28 @@ def test_an_lbfgs_closure_runs_forward_and_backward_not_optimizer(write_program,
 
 def test_lightning_training_step_inside_the_optimizer_closure(write_program, tmp_path):
     _clean_and_planted(write_program(LIGHTNING), tmp_path, "training_step")
+
+
+def test_lightning_with_a_compiled_module_checks_the_compiled_training_step(write_program,
+                                                                          tmp_path):
+    """The Inf made inside the compiled training_step is a forward stop at its step, at
+    the user's line that runs it (trainer.fit), naming training_step (it was first seen
+    in the compiled backward, as NaN 'made from finite inputs' by aten.mm.out)."""
+    prog = write_program(LIGHTNING_COMPILED)
+    plain = _plain(prog)
+    report = tmp_path / "clean.jsonl"
+    clean = run_cli(["--batch", "--report", str(report), str(prog)], timeout=300)
+    assert clean.returncode == 0, clean.stderr
+    assert read_report(report) == []
+    assert clean.stdout.splitlines()[-1] == plain.splitlines()[-1]   # the same bits
+    report = tmp_path / "bug.jsonl"
+    buggy = run_cli(["--batch", "--report", str(report), str(prog), "bug"], timeout=300)
+    assert buggy.returncode == 3, buggy.stderr
+    (stop,) = read_report(report)
+    assert (stop["reason"], stop["stage"], stop["step"], stop["created"]) == (
+        "inf", "forward", 2, True)
+    assert (stop["file"], stop["line"]) == (str(prog), marker_line(prog))
+    assert stop["message"].startswith("1 +Inf in training_step() at prog.py:")
 
 
 def test_hugging_face_trainer_with_a_custom_compute_loss(write_program, tmp_path):
