@@ -8,6 +8,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from conftest import clean_env, marker_line, read_report, run_cli
 
 LBFGS = """
@@ -68,6 +70,14 @@ LIGHTNING = """
     trainer.fit(model, DataLoader(data, batch_size=16))
     print("weights", [p.detach().double().sum().item().hex() for p in model.parameters()])
 """
+
+
+# trainer.fit(torch.compile(model)): Lightning compiles the module's training_step (a
+# bound method) with the module's dynamo context; no module hook runs inside it
+LIGHTNING_COMPILED = LIGHTNING.replace(
+    "out = out / torch.zeros_like(out)  # here", "out = out / torch.zeros_like(out)  # the bug"
+).replace("trainer.fit(model, DataLoader(data, batch_size=16))",
+          "trainer.fit(torch.compile(model), DataLoader(data, batch_size=16))  # here")
 
 
 HF_TRAINER = """
@@ -147,8 +157,8 @@ CHECKPOINTED_BF16 = """
 """
 
 
-def _plain(prog) -> str:
-    result = subprocess.run([sys.executable, str(prog)], capture_output=True, text=True,
+def _plain(prog, *args) -> str:
+    result = subprocess.run([sys.executable, str(prog), *args], capture_output=True, text=True,
                             env=clean_env(), timeout=300)
     assert result.returncode == 0, result.stderr
     return result.stdout
@@ -179,6 +189,28 @@ def test_lightning_training_step_inside_the_optimizer_closure(write_program, tmp
     _clean_and_planted(write_program(LIGHTNING), tmp_path, "training_step")
 
 
+def test_lightning_with_a_compiled_module_checks_the_compiled_training_step(write_program,
+                                                                          tmp_path):
+    """The Inf made inside the compiled training_step is a forward stop at its step, at
+    the user's line that runs it (trainer.fit), naming training_step (it was first seen
+    in the compiled backward, as NaN 'made from finite inputs' by aten.mm.out)."""
+    prog = write_program(LIGHTNING_COMPILED)
+    plain = _plain(prog)
+    report = tmp_path / "clean.jsonl"
+    clean = run_cli(["--batch", "--report", str(report), str(prog)], timeout=300)
+    assert clean.returncode == 0, clean.stderr
+    assert read_report(report) == []
+    assert clean.stdout.splitlines()[-1] == plain.splitlines()[-1]   # the same bits
+    report = tmp_path / "bug.jsonl"
+    buggy = run_cli(["--batch", "--report", str(report), str(prog), "bug"], timeout=300)
+    assert buggy.returncode == 3, buggy.stderr
+    (stop,) = read_report(report)
+    assert (stop["reason"], stop["stage"], stop["step"], stop["created"]) == (
+        "inf", "forward", 2, True)
+    assert (stop["file"], stop["line"]) == (str(prog), marker_line(prog))
+    assert stop["message"].startswith("1 +Inf in training_step() at prog.py:")
+
+
 def test_hugging_face_trainer_with_a_custom_compute_loss(write_program, tmp_path):
     _clean_and_planted(write_program(HF_TRAINER), tmp_path, "compute_loss")
 
@@ -203,3 +235,107 @@ def test_gradient_checkpointing_under_bf16_autocast(write_program, tmp_path):
     # and what the recomputation makes again (the NaN, what flows from it into the next
     # blocks) is the first stop's: no new stop in backward, none after
     assert [s["stage"] for s in read_report(report)] == ["forward"]
+
+
+# Hugging Face's own gradient checkpointing (`model.gradient_checkpointing_enable()`, torch's
+# non-reentrant checkpoint around each GPT-2 block) through the Trainer: the user's module
+# in the last block runs twice a step (forward, then recomputed in backward)
+HF_CHECKPOINTED = """
+    import sys
+    import torch
+    from torch import nn
+    from torch.utils.data import Dataset
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    bug = sys.argv[1] if sys.argv[1:2] != ["clean"] else None      # clean | loss | block
+    reentrant = sys.argv[2:] == ["reentrant"]       # torch's reentrant checkpoint instead
+    CALLS = []
+
+
+    class Tokens(Dataset):
+        def __init__(self):
+            g = torch.Generator().manual_seed(0)
+            self.ids = torch.randint(0, 64, (16, 12), generator=g)
+
+        def __len__(self):
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+    class MyMLP(nn.Module):
+        def __init__(self, mlp):
+            super().__init__()
+            self.mlp = mlp
+
+        def forward(self, h):
+            CALLS.append(torch.is_grad_enabled())
+            out = self.mlp(h)
+            if bug == "block" and STEP[0] == 2:
+                out = torch.log(out - 100.0)  # here block
+            return out
+
+
+    class MyTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+            STEP[0] = self.state.global_step
+            out = model(**inputs)
+            loss = out.loss
+            if bug == "loss" and self.state.global_step == 2:
+                loss = torch.log(loss - 100.0)  # here loss
+            return (loss, out) if return_outputs else loss
+
+
+    STEP = [0]
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    model = GPT2LMHeadModel(config)
+    model.transformer.h[1].mlp = MyMLP(model.transformer.h[1].mlp)
+    if reentrant:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    else:
+        model.gradient_checkpointing_enable()           # transformers' default: non-reentrant
+    args = TrainingArguments(output_dir=sys.argv[0] + ".out", per_device_train_batch_size=4,
+                             max_steps=3, report_to=[], save_strategy="no", logging_strategy="no",
+                             disable_tqdm=True, use_cpu=True, seed=0, data_seed=0)
+    MyTrainer(model=model, args=args, train_dataset=Tokens()).train()
+    print("checkpointing", model.is_gradient_checkpointing, "calls", len(CALLS))
+    print("weights", sum(p.detach().double().sum().item() for p in model.parameters()).hex())
+"""
+
+
+@pytest.mark.parametrize("kind", ["default", "reentrant"])
+def test_hugging_face_gradient_checkpointing_through_the_trainer_is_clean(write_program,
+                                                                         tmp_path, kind):
+    prog = write_program(HF_CHECKPOINTED)
+    plain = _plain(prog, "clean", kind)
+    # the blocks are recomputed: the user's module runs twice in each of the 3 steps
+    assert "checkpointing True calls 6" in plain
+    report = tmp_path / "clean.jsonl"
+    clean = run_cli(["--batch", "--report", str(report), str(prog), "clean", kind],
+                    timeout=300)
+    assert clean.returncode == 0, clean.stderr
+    assert read_report(report) == []
+    assert clean.stdout.splitlines()[-2:] == plain.splitlines()[-2:]    # the same bits
+
+
+@pytest.mark.parametrize("where,kind,function", [
+    ("loss", "default", "compute_loss"),
+    # made in the first forward, made again when backward recomputes the block
+    ("block", "default", "forward"), ("block", "reentrant", "forward")])
+def test_hugging_face_gradient_checkpointing_reports_a_nan_once(write_program, tmp_path,
+                                                               where, kind, function):
+    prog = write_program(HF_CHECKPOINTED)
+    report = tmp_path / "r.jsonl"
+    # `c` at every prompt: the run goes on through the recomputation to its end
+    result = run_cli(["--report", str(report), str(prog), where, kind], stdin="c\n" * 8,
+                     timeout=300)
+    assert result.returncode == 0, result.stderr
+    (stop,) = read_report(report)                       # once: not again in backward
+    assert (stop["reason"], stop["stage"], stop["op"], stop["step"]) == ("nan", "forward",
+                                                                         "aten.log.default", 2)
+    assert (stop["file"], stop["line"], stop["function"]) == (
+        str(prog), marker_line(prog, f"# here {where}"), function)
+    assert result.stdout.count("(mldebug) ") == 1
+    assert "weights" in result.stdout and "CheckpointError" not in result.stderr

@@ -1,8 +1,8 @@
 """Which frames are the user's own code.
 
 A stop is shown in the innermost frame of the user's code: not the standard library,
-not site-packages, not torch and not mldebug. The answer depends only on the file name,
-so it is cached per file.
+not site-packages, not torch (nor the code torch.compile generates) and not mldebug.
+The answer depends only on the file name, so it is cached per file.
 """
 from __future__ import annotations
 
@@ -39,8 +39,23 @@ _LIBRARY_DIRS = _library_dirs()
 _is_user_cache: dict[str, bool] = {}
 
 
+def _generated_dirs() -> tuple[str, ...]:
+    """Where torch.compile writes the code it runs (inductor's cache dir, e.g.
+    /tmp/torchinductor_USER): known once inductor is loaded, which it is before any of
+    its code runs (asked without importing it: that takes seconds)."""
+    cache = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
+    if cache is None:
+        return ()
+    try:
+        path = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or cache.default_cache_dir()
+    except Exception:  # noqa: BLE001 - a torch without it: no generated dirs
+        return ()
+    return (os.path.abspath(path) + os.sep, os.path.realpath(path) + os.sep)
+
+
 def is_user_file(filename: str) -> bool:
-    """True for files of the user's own program (not stdlib, site-packages, torch, mldebug)."""
+    """True for files of the user's own program (not stdlib, site-packages, torch, mldebug,
+    nor the code torch.compile generated)."""
     cached = _is_user_cache.get(filename)
     if cached is not None:
         return cached
@@ -50,7 +65,8 @@ def is_user_file(filename: str) -> bool:
     else:
         path = os.path.abspath(filename)
         real = os.path.realpath(filename)
-        result = not any(path.startswith(d) or real.startswith(d) for d in _LIBRARY_DIRS)
+        result = not any(path.startswith(d) or real.startswith(d)
+                         for d in _LIBRARY_DIRS + _generated_dirs())
     _is_user_cache[filename] = result
     return result
 

@@ -60,8 +60,13 @@ def uninstall() -> None:
 
 
 def _user_function(fn) -> bool:
-    """A plain function or lambda of the program: not a module (checked by its hooks),
-    not a bound method of one, not torch's own code."""
+    """A function, lambda or method of the program (Lightning compiles a module's
+    `training_step`): not a module, nor a module's `forward` (checked by its hooks), not
+    torch's own code (`model.compile()` compiles `Module._call_impl`)."""
+    if inspect.ismethod(fn):
+        if isinstance(fn.__self__, torch.nn.Module) and fn.__name__ == "forward":
+            return False
+        fn = fn.__func__
     return inspect.isfunction(fn) and not (getattr(fn, "__module__", "") or "").startswith("torch")
 
 

@@ -111,7 +111,8 @@ def _note(data, indices) -> None:
     _walk(data, "", 0, tensors)
     if tensors:
         if isinstance(indices, (list, tuple)):
-            indices = list(indices)
+            # an IterableDataset's sampler yields None for every sample: no indices
+            indices = None if None in indices else list(indices)
         elif indices is not None and not isinstance(indices, int):
             try:
                 indices = [int(i) for i in indices]   # a custom batch_sampler's ranges

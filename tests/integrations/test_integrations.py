@@ -145,3 +145,92 @@ def test_a_recording_started_by_the_callback_numbers_steps_from_the_global_step(
     import mldebug
     with mldebug.record.open_run(str(tmp_path / "resumed.sqlite")) as run:
         assert run.steps() == [3, 4, 5]            # the resumed run's own global steps
+
+
+TRANSFORMERS = """
+    import sys
+    import torch
+    from torch.utils.data import Dataset
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from mldebug.integrations.transformers import MLDebugCallback
+
+    mode, out = sys.argv[1], sys.argv[2]        # plain | clean | bug | record; a folder
+
+
+    class Tokens(Dataset):
+        def __init__(self):
+            g = torch.Generator().manual_seed(0)
+            self.ids = torch.randint(0, 64, (32, 12), generator=g)
+
+        def __len__(self):
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+    class MyTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+            out = model(**inputs)
+            loss = out.loss
+            if mode == "bug" and self.state.global_step == 2:
+                loss = torch.log(loss - 100.0)  # here
+            return (loss, out) if return_outputs else loss
+
+
+    def trainer(max_steps, callbacks, **more):
+        args = TrainingArguments(output_dir=out + "/hf", per_device_train_batch_size=4,
+                                 max_steps=max_steps, report_to=[], logging_strategy="no",
+                                 disable_tqdm=True, use_cpu=True, seed=0, data_seed=0, **more)
+        return MyTrainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
+
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    model = GPT2LMHeadModel(config)
+    if mode == "record":
+        # 3 steps and a checkpoint; resumed to 7 steps, the callback recording every 2nd
+        trainer(3, [], save_strategy="steps", save_steps=3).train()
+        trainer(7, [MLDebugCallback(record=True, every=2, run_dir=out, run="resumed")],
+                save_strategy="no").train(resume_from_checkpoint=out + "/hf/checkpoint-3")
+    else:
+        callbacks = [] if mode == "plain" else [MLDebugCallback(report=out + "/stops.jsonl")]
+        trainer(4, callbacks, save_strategy="no").train()
+    print("weights", sum(p.detach().double().sum().item() for p in model.parameters()).hex())
+"""
+
+
+def test_the_transformers_callback_changes_no_bit_and_reports_its_stops(write_program,
+                                                                       tmp_path):
+    prog = write_program(TRANSFORMERS)
+    runs = {mode: tmp_path / mode for mode in ("plain", "clean", "bug")}
+    for folder in runs.values():
+        folder.mkdir()
+    plain = _python([prog, "plain", runs["plain"]])
+    assert plain.returncode == 0, plain.stderr
+    clean = _python([prog, "clean", runs["clean"]])
+    assert clean.returncode == 0, clean.stderr
+    assert clean.stdout.splitlines()[-1] == plain.stdout.splitlines()[-1]    # the same bits
+    assert "mldebug: " not in clean.stdout + clean.stderr
+    report = runs["clean"] / "stops.jsonl"
+    assert not report.exists() or read_report(report) == []
+    buggy = _python([prog, "bug", runs["bug"]], stdin="c\n" * 6)
+    assert buggy.returncode == 0, buggy.stderr
+    (stop,) = read_report(runs["bug"] / "stops.jsonl")
+    # the Trainer's global step, in the user's compute_loss
+    assert (stop["reason"], stop["stage"], stop["op"], stop["step"]) == (
+        "nan", "forward", "aten.log.default", 2)
+    assert (stop["file"], stop["line"], stop["function"]) == (str(prog), marker_line(prog),
+                                                              "compute_loss")
+    assert "weights" in buggy.stdout                        # `c` goes on to the end
+
+
+def test_a_recording_started_by_the_transformers_callback_counts_global_steps(
+        write_program, tmp_path):
+    prog = write_program(TRANSFORMERS)
+    result = _python([prog, "record", tmp_path])
+    assert result.returncode == 0, result.stderr
+    import mldebug
+    with mldebug.record.open_run(str(tmp_path / "resumed.sqlite")) as run:
+        # the resumed run's global steps are 3..6; every=2 records 4 and 6
+        assert run.steps() == [4, 6]

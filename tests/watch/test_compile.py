@@ -103,6 +103,26 @@ def test_a_compiled_model_trains_as_without_mldebug(write_program, tmp_path, for
         assert "Net runs under torch.compile" in err
 
 
+@pytest.mark.parametrize("form", ["torch.compile(model)", "model.compile()"])
+def test_a_compiled_model_with_the_watch_off(write_program, tmp_path, form):
+    """The original crash came with --watch off too: what stays on without the watch (the
+    graph capture and its assertions) is no more visible to dynamo."""
+    prog = write_program(TRAIN)
+    plain = subprocess.run([sys.executable, str(prog), form], capture_output=True,
+                           text=True, env=clean_env(), timeout=300)
+    assert plain.returncode == 0, plain.stderr
+    report = tmp_path / "r.jsonl"
+    result = run_cli(["--batch", "--watch", "off", "--report", str(report), str(prog), form],
+                     timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert read_report(report) == []
+    assert result.stdout == plain.stdout                   # same bits, graphs, no break
+    assert "graph breaks 0" in result.stdout and "graphs 1" in result.stdout
+    assert "Traceback" not in result.stderr
+    assert "Dynamo does not know how to trace" not in result.stderr
+    assert "global hooks on modules" not in result.stderr
+
+
 def test_a_nan_inside_a_compiled_module_stops_at_the_users_line(write_program, tmp_path):
     prog = write_program(NAN_INSIDE)
     report = tmp_path / "r.jsonl"
@@ -153,3 +173,34 @@ def test_a_nan_made_inside_a_compiled_function_stops_where_it_is_called(write_pr
     assert "made inside the compiled function step" in result.stdout
     assert "TORCH_COMPILE_DISABLE=1" in result.stdout
     assert "finished nan" in result.stdout
+
+
+CORRUPT_PARAMETER = """
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    with torch.no_grad():
+        model[2].weight[0, 3] = float("nan")       # a corrupt checkpoint
+    run = torch.compile(model)
+    pred = run(torch.randn(4, 8))  # here
+    print("finished")
+"""
+
+
+def test_a_nan_that_comes_into_a_compiled_model_stops_at_the_users_line(write_program,
+                                                                      tmp_path):
+    """The code torch.compile generated (inductor's cache dir, /tmp/torchinductor_USER)
+    is not the user's: the stop was in its `call`, at a line of a generated file."""
+    prog = write_program(CORRUPT_PARAMETER)
+    report = tmp_path / "r.jsonl"
+    result = run_cli(["--batch", "--report", str(report), str(prog)], timeout=300)
+    assert result.returncode == 3, result.stderr
+    (stop,) = read_report(report)
+    assert (stop["reason"], stop["stage"], stop["created"]) == ("nan", "forward", False)
+    assert (stop["file"], stop["line"], stop["function"]) == (str(prog), marker_line(prog),
+                                                              "<module>")
+    assert stop["data"] is None                       # a parameter, not the data
+    assert "torchinductor" not in result.stderr
+    assert "finished" not in result.stdout
