@@ -274,18 +274,25 @@ def data_index_cost(reps):
     return extra, (ops(True) - ops(False)) / batches
 
 
-def count_ops(name, device):
+def count_ops(name, device, simulate_device=False):
     """Issue 22's budget, machine-independent: the aten ops and host reads of one healthy
-    step, plain and watched (top-level ops, torch's profiler; benchmarks/opcount.py)."""
+    step, plain and watched (top-level ops, torch's profiler; benchmarks/opcount.py).
+    SIMULATE_DEVICE: the watch takes its GPU path on the CPU (what a GPU step dispatches)."""
+    from mldebug.watch import core
     out = {}
     for k in ("plain", "watch"):
         torch.manual_seed(0)
         model, loss_fn, opt = MODELS[name](device)
-        with variants()[k]():
-            ops, reads = count_step(lambda: step(model, loss_fn, opt))
+        core.simulate_device(simulate_device and k == "watch")
+        try:
+            with variants()[k]():
+                ops, reads = count_step(lambda: step(model, loss_fn, opt))
+        finally:
+            core.simulate_device(False)
         out[k] = (sum(ops.values()), reads)
     (n0, r0), (n1, r1) = out["plain"], out["watch"]
-    return (f"{name:6} ops a step: plain {n0}, watch {n1} ({n1 - n0:+d}, "
+    label = "device path on the cpu" if simulate_device else device
+    return (f"{name:6} ops a step ({label}): plain {n0}, watch {n1} ({n1 - n0:+d}, "
             f"{(n1 - n0) / n0:+.1%}; budget +10%); host reads: plain {r0}, watch {r1} "
             f"({r1 - r0:+d})")
 
@@ -370,6 +377,8 @@ def main(argv=None):
     if not args.compile:
         for name in args.models.split(","):
             print(count_ops(name, args.device), flush=True)
+            if args.device == "cpu":
+                print(count_ops(name, "cpu", simulate_device=True), flush=True)
     if mlp_step is not None:
         extra, ops = data_index_cost(20 if args.quick else 60)
         print(f"data index bookkeeping (DataLoader, batch 64x784): {extra * 1e6:+.1f} us a "

@@ -270,7 +270,8 @@ class _GradSentinel:
                 and _SUM_DTYPE.get(grad.dtype, 0) != 0 and _checkable(grad):
             if not (grad.is_cpu and _HOST_READS):
                 # no sync here: read with the parameters' gradients
-                t.device_grad_sums.append((grad.detach().sum(dtype=_F32), self.record))
+                with torch.no_grad():  # our own sum: no autograd node (nor a detach op)
+                    t.device_grad_sums.append((grad.sum(dtype=_F32), self.record))
                 return None
             counts = _cpu_nonfinite_counts(grad)
             if counts is not None:
@@ -283,7 +284,8 @@ class _GradSentinel:
         if _SUM_DTYPE.get(grad.dtype, 0) == 0 or not _checkable(grad):
             return
         if not (grad.is_cpu and _HOST_READS):
-            t.device_loss_sums.append((grad.detach().sum(dtype=_F32), self.call, self.pos))
+            with torch.no_grad():      # our own sum: no autograd node (nor a detach op)
+                t.device_loss_sums.append((grad.sum(dtype=_F32), self.call, self.pos))
         elif t.loss_bflag is None:
             counts = _cpu_nonfinite_counts(grad)
             if counts is not None:

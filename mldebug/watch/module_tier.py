@@ -8,6 +8,7 @@ Mixed into `Watch` (core.py), called from its module hooks.
 """
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -23,6 +24,11 @@ from .tiers import RootCall, flat_tensors
 from .native_check import nonfinite as _native_nonfinite
 
 _HOST_READS = True      # False while tests run the device paths on the CPU
+# device outputs wait for their check in groups: one `_foreach_norm` launch a group (on a
+# GPU a launch costs ~5-10 us of CPU time, what a launch-bound step pays for every op), and
+# a group holds its outputs alive until it is reduced, so it is kept small
+_GROUP = 64
+_GROUP_BYTES = 64 << 20
 
 
 class ModuleTier:
@@ -59,8 +65,11 @@ class ModuleTier:
                     bad = not _isfinite(s.item())
                 if bad and t.flag is None:
                     self._sentinel_flag(out, record)
-            else:
-                t.device_sums.append((out.detach().sum(dtype=_F32), weakref.ref(out), record))
+            elif out.numel():                      # (an empty tensor holds nothing)
+                t.device_pending.append((out, record))
+                t.device_pending_bytes += out.numel() * out.element_size()
+                if len(t.device_pending) >= _GROUP or t.device_pending_bytes >= _GROUP_BYTES:
+                    self._reduce_device_outputs()
         if outs:
             t.last_out = outs[-1]
             t.last_sentinels = sentinels
@@ -71,18 +80,44 @@ class ModuleTier:
         if sum(counts):             # (else: a finite sum that overflowed)
             self._t.flag = (record, counts)
 
+    def _reduce_device_outputs(self):
+        """The pending device outputs' max |x|, kept on the device: one `_foreach_norm`
+        (infinity norm: a NaN/Inf survives it and finite values never overflow it) and one
+        stack per device and dtype; the outputs themselves are let go."""
+        t = self._t
+        pending, t.device_pending, t.device_pending_bytes = t.device_pending, [], 0
+        groups: dict = {}
+        for out, record in pending:
+            groups.setdefault((out.device, out.dtype), []).append((out, record))
+        with torch.no_grad():         # our own reduction: no autograd node
+            for items in groups.values():
+                outs = [out for out, _ in items]
+                try:
+                    norms = torch.stack(torch._foreach_norm(outs, math.inf))
+                except (RuntimeError, TypeError):   # an older torch: one reduction each
+                    norms = torch.stack([out.abs().amax() for out in outs])
+                if norms.dtype != _F32:   # (a float64 overflow to Inf: a recount clears it)
+                    norms = norms.to(_F32)
+                t.device_sums.append((norms, [(weakref.ref(out), record)
+                                              for out, record in items]))
+
     def _flush_device_sums(self):
         t = self._t
+        if t.device_pending:
+            self._reduce_device_outputs()
         sums, t.device_sums = t.device_sums, []
+        entries = [entry for _, group in sums for entry in group]
         try:
-            flags = torch.isfinite(torch.stack([s for s, _, _ in sums]))
+            flags = torch.isfinite(sums[0][0] if len(sums) == 1
+                                   else torch.cat([norms for norms, _ in sums]))
             if bool(flags.all()):     # the one sync of the outermost call
                 return
             flagged = (~flags).nonzero().flatten().tolist()
-        except Exception:             # mixed devices: one read per entry
-            flagged = [i for i, e in enumerate(sums) if not _isfinite(float(e[0]))]
+        except RuntimeError:          # several devices: one read per group
+            values = [v for norms, _ in sums for v in norms.tolist()]
+            flagged = [i for i, v in enumerate(values) if not _isfinite(v)]
         for i in flagged:
-            _, ref, record = sums[i]
+            ref, record = entries[i]
             out = ref()
             if out is not None and t.flag is None:
                 self._sentinel_flag(out, record)
@@ -118,7 +153,7 @@ class ModuleTier:
         sentinel flagged it; remember it for a backward replay if its output needs a
         gradient."""
         t = self._t
-        if t.device_sums:
+        if t.device_sums or t.device_pending:
             with self._own_ops():
                 self._flush_device_sums()
         flag, t.flag = t.flag, None

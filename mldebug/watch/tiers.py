@@ -208,7 +208,10 @@ class TierState:
         self.loss_bflag = None       # (RootCall, position, counts): a model output's
                                      # gradient made non-finite by an unchecked loss region
         self.device_loss_sums: list = []  # (sum on device, RootCall, position) of those
-        self.device_sums: list = []  # (sum on device, module record) of device outputs
+        self.device_sums: list = []  # (max |x| of device outputs on the device, as one
+                                     # float32 vector; [(weakref(output), module record)])
+        self.device_pending: list = []   # (output, module record) not yet reduced
+        self.device_pending_bytes = 0
         self.calls: list = []        # RootCall, oldest first
         self.open: dict = {}         # id(output tensor) -> (RootCall, position)
         self.fruitless: dict = {}    # flag pattern -> True: its replay found no stop
@@ -291,9 +294,11 @@ def any_nonfinite_sum(tensors) -> bool:
             if bad:
                 return True
         else:
-            by_device.setdefault(x.device, []).append(x.detach())
+            by_device.setdefault(x.device, []).append(x)
     for xs in by_device.values():
-        if not math.isfinite(device_total(xs).item()):
+        with torch.no_grad():               # our own reduction: no autograd node
+            total = device_total(xs)
+        if not math.isfinite(total.item()):
             return True
     return False
 
@@ -306,7 +311,7 @@ def device_total(xs):
     launch-bound model); `_foreach_norm` covers a list in a few fused launches."""
     if len(xs) == 1:
         return xs[0].sum(dtype=_F32)
-    if not xs[0].is_cpu:
+    if not xs[0].is_cpu or not _HOST_READS:   # (the CPU standing in for a device: as there)
         try:
             return torch.stack(torch._foreach_norm(xs, 1, dtype=_F32)).sum()
         except (RuntimeError, TypeError):   # an older torch: one sum each

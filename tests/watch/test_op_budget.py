@@ -73,3 +73,33 @@ def test_the_c_check_leaves_what_it_cannot_read_to_torch():
     freed = torch.ones(8)
     freed.untyped_storage().resize_(0)
     assert native_check.nonfinite(freed) is None
+
+
+def forward_extra_ops_on_a_device(name):
+    """Extra aten ops and host reads of one forward (the loss included) under the watch
+    on the device path, the CPU standing in for a GPU (as the cpu-as-device tests do)."""
+    from mldebug.watch import core
+    out = []
+    for watched in (False, True):
+        torch.manual_seed(0)
+        model, loss_fn, _ = bench_watch.MODELS[name]("cpu")
+        core.simulate_device(watched)
+        try:
+            with (mldebug.watch(action="raise") if watched else bench_watch.Plain()), \
+                    torch.no_grad():
+                ops, reads = count_step(loss_fn)
+        finally:
+            core.simulate_device(False)
+        out.append((sum(ops.values()), reads))
+    (plain, plain_reads), (ops, reads) = out
+    return ops - plain, reads - plain_reads
+
+
+def test_on_a_device_the_module_outputs_are_checked_by_a_few_fused_launches():
+    """On a GPU every op is a launch: the model's module outputs wait in groups of 64
+    and each group is one `_foreach_norm`, so a forward's extra ops do not grow with the
+    number of modules (the MLP has 3 checked outputs, the CNN 38), and its reads are the
+    windows' (the model's, the loss's)."""
+    mlp, cnn = forward_extra_ops_on_a_device("mlp"), forward_extra_ops_on_a_device("cnn")
+    assert cnn == mlp, (mlp, cnn)
+    assert mlp[1] <= 3 and mlp[0] <= 25, mlp
