@@ -27,6 +27,7 @@ NAN_STEP = PROGRAMS / "nan_step.py"
 TENSORS_BP = PROGRAMS / "tensors_bp.py"
 RAISES = PROGRAMS / "raises.py"
 NAN_MODEL = PROGRAMS / "nan_model.py"
+MODEL_BP = PROGRAMS / "model_bp.py"
 PANEL = "__import__('mldebug.dap.panel', fromlist=['_'])"
 SUMMARY_LINE = re.compile(r"^(tensor|ndarray)\[[\d, ]*\] \w+")
 
@@ -268,6 +269,22 @@ class TestBreakpointAndVariables:
         dap.request("continue", {"threadId": thread})
         _, thread, top = stopped_frame(dap, "breakpoint")
         assert top["name"] == "only_big"
+        dap.request("continue", {"threadId": thread})
+        assert dap.wait_event("exited", timeout=25)["exitCode"] == 0
+
+    def test_at_a_breakpoint_the_graph_is_the_last_pass_with_nothing_marked(self, adapter, tmp_path):
+        from bokeh.document import Document
+
+        dap = adapter
+        dap.start("launch", launch_args(MODEL_BP, cwd=str(tmp_path)))
+        _, thread, top = stopped_frame(dap, "breakpoint")
+        graph = evaluate_json(dap, f"{PANEL}.graph_json()", top["id"])["graph"]
+        assert graph["marked"] == [] and graph["modules"] == 4 and graph["note"] == "4 module calls"
+        src = Document.from_json(graph["item"]["doc"]).select_one({"name": "mld-graph-nodes"})
+        assert src.data["id"] == ["root#0", "0#0", "1#0", "2#0"]
+        assert set(src.data["color"]) == {"#dee2e6"}
+        last = evaluate_json(dap, f"{PANEL}.node_tensor_json('2#0')", top["id"])   # `out`
+        assert last["name"] == "2 output" and last["shape"] == [3, 2]
         dap.request("continue", {"threadId": thread})
         assert dap.wait_event("exited", timeout=25)["exitCode"] == 0
 
