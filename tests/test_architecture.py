@@ -22,6 +22,7 @@ LAYERS = [
     ("mldebug.graph", 2),
     ("mldebug.assertions", 3),    # ... and those built on the graph's events
     ("mldebug.record", 3),
+    ("mldebug.figures", 3),       # what every front end draws alike: the graph figure
     ("mldebug.view", 4),          # the front ends' pieces
     ("mldebug.dap", 4),
     ("mldebug.interrupt", 4),

@@ -5,7 +5,8 @@ The extension evaluates, with `context: "repl"`,
     __import__('mldebug.dap.panel', fromlist=['_']).stop_json()
     __import__('mldebug.dap.panel', fromlist=['_']).frame_json(locals())
     __import__('mldebug.dap.panel', fromlist=['_']).tensor_json(x, 'x', [0, 1], None)
-    __import__('mldebug.dap.panel', fromlist=['_']).graph_json()
+    __import__('mldebug.dap.panel', fromlist=['_']).graph_json(['root#0'], mark=True)
+    __import__('mldebug.dap.panel', fromlist=['_']).node_tensor_json('head#0', None, None, False)
 
 and `JSON.parse`s the string result. The request MUST carry pydevd's raw-string format,
 `"format": {"rawString": true}`: without it debugpy answers the str's repr (quoted,
@@ -22,12 +23,18 @@ under about MAX_BYTES: heatmaps are downsampled here, in Python, not in the webv
                     its `summary` has only shape/dtype/device/numel, ask again later.
     tensor_json(value, name="", dims=None, index=None, grad=False, max_side=256)
                  -> a 2-D slice for a heatmap, see `tensor_json`
-    graph_json() -> {"graph": null}   (graph capture is not there yet)
+    graph_json(expanded=None, mark=True)
+                 -> {"graph": null, "note"} or {"graph": {"item": the view's graph figure
+                    as bokeh.embed.json_item, "note", "expanded", "marked", "modules",
+                    "bokeh": {"version", "js"}}}, see `graph_json`
+    node_tensor_json(node_id, dims=None, index=None, grad=False, max_side=256)
+                 -> tensor_json of a graph node's output (or its gradient)
 """
 from __future__ import annotations
 
 import json
 import math
+import warnings
 
 from ..summaries import budgeted as _v
 from ..summaries import slicing as _slicing
@@ -42,6 +49,7 @@ from ..summaries.slicing import (EXACT_STATS_MAX, HIST_BINS, NONFINITE_MAX,  # n
 MAX_BYTES = 1_000_000
 CONTAINER_ITEMS = 64         # items looked at inside one list/tuple/dict
 FRAME_BUDGET_S = 0.25        # frame_json waits at most this long for summaries in all
+GRAPH_ROWS_SHOWN = 16        # rows of the graph in view; drag or wheel over it for more
 
 
 def _dumps(obj) -> str:
@@ -68,6 +76,7 @@ def _safe(fn):
             return _error(exc)
     wrapper.__name__ = fn.__name__
     wrapper.__doc__ = fn.__doc__
+    wrapper.__wrapped__ = fn
     return wrapper
 
 
@@ -177,9 +186,79 @@ _DATA = "\u0000data\u0000"   # placeholder spliced with the preformatted data ro
 
 # -- graph --------------------------------------------------------------------------------
 @_safe
-def graph_json() -> str:
-    """{"graph": null} until graph capture lands."""
-    return _dumps({"graph": None})
+def graph_json(expanded=None, mark: bool = True, rows_shown: int = GRAPH_ROWS_SHOWN) -> str:
+    """The graph of the last forward pass as the browser view draws it (one drawer:
+    figures/graph_figure.py), a standalone Bokeh document for BokehJS in the webview:
+
+    {"graph": null, "note": why} when no graph capture runs or no pass was seen, else
+    {"graph": {"item": bokeh.embed.json_item of the figure, "note": "N module calls",
+     "expanded": [open node ids], "marked": [NaN/Inf, violation, failing module ids],
+     "modules": N, "bokeh": {"version", "js": [absolute paths of the BokehJS files]}}}
+
+    EXPANDED: the node ids open (the roots are not open unless listed); MARK also opens
+    the roots and the path to every marked module call, as the view does for a new pass.
+    The figure's node rows are the ColumnDataSource named 'mld-graph-nodes' (column `id`),
+    its toggles 'mld-graph-toggles': the webview reads clicks from their selections."""
+    from ..figures import graph_rows as _rows
+
+    graph = _rows.current_graph()
+    if graph is None or not graph.modules():
+        return _dumps({"graph": None, "note": _rows.graph_rows(None, set())["note"]})
+    from bokeh.embed import json_item
+
+    from ..figures.graph_figure import GraphFigure, open_marked
+
+    opened = {str(i) for i in (expanded or ())} & set(graph.nodes)
+    if mark:
+        opened = open_marked(graph, opened)
+    modules = graph.modules()
+    rows = max(1, min(int(rows_shown), len(modules)))
+    view = GraphFigure(title=f"{graph.root_type or 'graph'}: click \u25b8 to expand, a name "
+                             "to show its output", height=90 + 22 * rows, rows_shown=rows,
+                       css_classes=("mld-graph", "mld-panel-graph"))
+    view.fig.sizing_mode = "stretch_width"
+    view.add_tap()
+    note = view.draw(graph, opened)
+    marked = [nid for nid, n in graph.nodes.items()
+              if n.kind == "module" and (n.nonfinite or n.violations or n.failing)]
+    return _dumps({"graph": {"item": json_item(view.fig), "note": note,
+                             "expanded": sorted(opened), "marked": marked,
+                             "modules": len(modules), "bokeh": bokeh_files()}})
+
+
+def bokeh_files() -> dict:
+    """The BokehJS that draws graph_json's document: this bokeh's own static files (the
+    JavaScript must be the version of the Python that wrote the JSON), never a CDN."""
+    import bokeh
+    from bokeh.resources import Resources
+
+    js = Resources(mode="absolute", minified=True, components=["bokeh"]).js_files
+    return {"version": bokeh.__version__, "js": [str(f) for f in js]}
+
+
+@_safe
+def node_tensor_json(node_id: str, dims=None, index=None, grad: bool = False,
+                     max_side: int = 256) -> str:
+    """tensor_json of a graph node's output (GRAD: its gradient, the output's .grad else
+    the module's first parameter gradient, as the view shows it), named as the view
+    names it ("head output", "fc.weight.grad"); an error when it is gone."""
+    from ..figures import graph_rows as _rows
+
+    with warnings.catch_warnings():     # an output's .grad: torch warns for non-leaves
+        warnings.simplefilter("ignore")
+        args = _rows.node_entry_args(_rows.current_graph(), str(node_id))
+        if args is None:
+            return _error(f"no node {node_id!r} in the graph of the last pass")
+        value = args["grad"]() if grad else args["value"]
+    if grad:
+        name = args["grad_name"]
+        if value is None:
+            return _error(f"{args['name']}: no gradient yet (backward has not reached it)")
+    else:
+        name = args["name"]
+        if value is None:
+            return _error(f"{name}: {args.get('note', 'not available')}")
+    return tensor_json.__wrapped__(value, name, dims, index, False, max_side)
 
 
 def _jsonable(v):

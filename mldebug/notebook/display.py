@@ -3,7 +3,7 @@ output with its JavaScript inline (no CDN: offline, and in a kernel that reaches
 network):
 
 - a Graph (what `mldebug.trace(model, x)` returns): the view's graph figure
-  (view/graph_figure.py, the one graph drawer), every module call opened;
+  (figures/graph_figure.py, the one graph drawer), every module call opened;
 - a recording (what `mldebug.record(...)` returns, or a run opened from its SQLite file
   with `mldebug.record.open_run`): the view's Timeline plots (view/timeline_panel.py)
   of its first parameter's series and its KPI (`loss` when logged).
@@ -27,7 +27,7 @@ def show_graph(graph) -> None:
     from bokeh.layouts import column
     from bokeh.models import Div
 
-    from ..view.graph_figure import GraphFigure, open_marked
+    from ..figures.graph_figure import GraphFigure, open_marked
 
     modules = {nid for nid, n in graph.nodes.items() if n.kind == "module"}
     rows = min(ROWS_SHOWN_MAX, max(1, len(modules)))

@@ -24,7 +24,7 @@ from ..summaries import slicing as _slicing
 from . import data as _data
 from . import state as _state
 from .doc_thread import on_doc_thread
-from .graph_figure import GraphFigure, open_marked
+from ..figures.graph_figure import GraphFigure, open_marked
 from .timeline_panel import TimelinePanel
 
 NAN_COLOR, POSINF_COLOR, NEGINF_COLOR = (_slicing.KIND_COLORS[k] for k in (1, 2, 3))

@@ -6,6 +6,7 @@ to `--listen`, stop on a NaN, look at variables, ask the panel for JSON, continu
 """
 from __future__ import annotations
 
+import gc
 import json
 import re
 import socket
@@ -25,6 +26,8 @@ PROGRAMS = TESTS / "programs_dap"
 NAN_STEP = PROGRAMS / "nan_step.py"
 TENSORS_BP = PROGRAMS / "tensors_bp.py"
 RAISES = PROGRAMS / "raises.py"
+NAN_MODEL = PROGRAMS / "nan_model.py"
+MODEL_BP = PROGRAMS / "model_bp.py"
 PANEL = "__import__('mldebug.dap.panel', fromlist=['_'])"
 SUMMARY_LINE = re.compile(r"^(tensor|ndarray)\[[\d, ]*\] \w+")
 
@@ -171,8 +174,41 @@ class TestLaunchStopsOnNaN:
         wide = evaluate_json(dap, f"{PANEL}.tensor_json(torch.randn(256, 256), 'r')", fid)
         assert wide["rows"] == 256 and len(wide["data"][255]) == 256
 
-        assert evaluate_json(dap, f"{PANEL}.graph_json()", fid) == {"graph": None}
+        # no module was called: no graph, and the note says why
+        assert evaluate_json(dap, f"{PANEL}.graph_json()", fid)["graph"] is None
         assert "error" in evaluate_json(dap, f"{PANEL}.tensor_json(42)", fid)
+
+        dap.request("continue", {"threadId": thread})
+        assert dap.wait_event("exited", timeout=25)["exitCode"] == 0
+
+
+    def test_graph_json_at_a_nan_in_a_module_marks_it_and_its_output_shows(self, adapter, tmp_path):
+        """What the panel's graph asks at a stop inside a model: the view's figure with the
+        module the NaN came from marked, and that module's output through node_tensor_json."""
+        from bokeh.document import Document
+
+        dap = adapter
+        dap.start("launch", launch_args(NAN_MODEL, cwd=str(tmp_path)))
+        _, thread, top = stopped_frame(dap, "exception")
+        fid = top["id"]
+        assert top["line"] == marker_line(NAN_MODEL) and top["name"] == "forward"
+
+        graph = evaluate_json(dap, f"{PANEL}.graph_json()", fid)["graph"]
+        assert graph["marked"] == ["head#0"] and graph["modules"] == 4
+        assert graph["expanded"] == ["root#0"]
+        assert Path(graph["bokeh"]["js"][0]).name == "bokeh.min.js"
+        src = Document.from_json(graph["item"]["doc"]).select_one({"name": "mld-graph-nodes"})
+        assert src.data["id"] == ["root#0", "fc#0", "act#0", "head#0"]
+        assert src.data["color"][3] == "#ff6b6b" and src.data["color"][1] == "#dee2e6"
+        assert "NaN/Inf!" in src.data["label"][3] and "[2, 3] f32" in src.data["label"][3]
+
+        out = evaluate_json(dap, f"{PANEL}.node_tensor_json('head#0')", fid)
+        assert out["name"] == "head output" and out["shape"] == [2, 3]
+        assert out["nonfinite_total"] == 6 and out["summary"]["nan"] == 6
+        # a closed root: one row
+        closed = evaluate_json(dap, f"{PANEL}.graph_json([], mark=False)", fid)["graph"]
+        assert Document.from_json(closed["item"]["doc"]).select_one(
+            {"name": "mld-graph-nodes"}).data["id"] == ["root#0"]
 
         dap.request("continue", {"threadId": thread})
         assert dap.wait_event("exited", timeout=25)["exitCode"] == 0
@@ -333,6 +369,22 @@ class TestBreakpointAndVariables:
         dap.request("continue", {"threadId": thread})
         assert dap.wait_event("exited", timeout=25)["exitCode"] == 0
 
+    def test_at_a_breakpoint_the_graph_is_the_last_pass_with_nothing_marked(self, adapter, tmp_path):
+        from bokeh.document import Document
+
+        dap = adapter
+        dap.start("launch", launch_args(MODEL_BP, cwd=str(tmp_path)))
+        _, thread, top = stopped_frame(dap, "breakpoint")
+        graph = evaluate_json(dap, f"{PANEL}.graph_json()", top["id"])["graph"]
+        assert graph["marked"] == [] and graph["modules"] == 4 and graph["note"] == "4 module calls"
+        src = Document.from_json(graph["item"]["doc"]).select_one({"name": "mld-graph-nodes"})
+        assert src.data["id"] == ["root#0", "0#0", "1#0", "2#0"]
+        assert set(src.data["color"]) == {"#dee2e6"}
+        last = evaluate_json(dap, f"{PANEL}.node_tensor_json('2#0')", top["id"])   # `out`
+        assert last["name"] == "2 output" and last["shape"] == [3, 2]
+        dap.request("continue", {"threadId": thread})
+        assert dap.wait_event("exited", timeout=25)["exitCode"] == 0
+
     def test_a_10k_by_10k_tensor_value_arrives_fast(self, tmp_path):
         """A plain debugpy session (no mldebug CLI): the plugin loads from the install."""
         with DapClient.start_adapter(env=clean_env()) as dap:
@@ -453,7 +505,68 @@ class TestPanelJson:
             assert json.loads(panel.stop_json())["stop"]["op"] == "aten.log.default"
         finally:
             _session._current = saved
-        assert json.loads(panel.graph_json()) == {"graph": None}
+        assert json.loads(panel.graph_json())["graph"] is None
+
+    def test_graph_json_is_the_views_figure_with_toggles_marks_and_node_outputs(self):
+        from bokeh.document import Document
+        from bokeh.resources import Resources
+        import bokeh
+        from mldebug import graph as G
+
+        class Block(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(3, 3)
+                self.act = torch.nn.Tanh()
+
+            def forward(self, x):
+                return self.act(self.lin(x))
+
+        model = torch.nn.Sequential(Block(), Block(), torch.nn.Linear(3, 2))
+        panel = self.panel()
+
+        def rows(payload):
+            doc = Document.from_json(payload["item"]["doc"])
+            return (doc.select_one({"name": "mld-graph-nodes"}).data,
+                    doc.select_one({"name": "mld-graph-toggles"}).data)
+
+        with G.Capture():
+            out = model(torch.randn(4, 3))
+            G.last_graph().mark("1.lin", "nan")
+            text = panel.graph_json()
+            graph = json.loads(text)["graph"]       # strict JSON: no NaN literals
+            assert json.loads(text, parse_constant=lambda c: pytest.fail(c))
+            assert graph["marked"] == ["1.lin#0"] and graph["modules"] == 8
+            # the roots and the path to the mark are open, as in the view
+            assert graph["expanded"] == ["1#0", "root#0"]
+            nodes, toggles = rows(graph)
+            assert nodes["id"] == ["root#0", "0#0", "1#0", "1.lin#0", "1.act#0", "2#0"]
+            assert nodes["color"][3] == "#ff6b6b"
+            assert toggles["id"] == ["root#0", "0#0", "1#0"]
+            assert toggles["arrow"] == ["\u25be", "\u25b8", "\u25be"]
+            assert graph["item"]["doc"]["roots"][0]["attributes"]["sizing_mode"] == "stretch_width"
+            assert graph["bokeh"] == {"version": bokeh.__version__, "js": Resources(
+                mode="absolute", components=["bokeh"]).js_files}
+            assert all(Path(f).is_file() for f in graph["bokeh"]["js"])
+
+            # what a click on a toggle asks: exactly the open set, no mark re-opening
+            opened = json.loads(panel.graph_json(["root#0", "0#0"], mark=False))["graph"]
+            assert opened["expanded"] == ["0#0", "root#0"]
+            assert rows(opened)[0]["id"] == ["root#0", "0#0", "0.lin#0", "0.act#0", "1#0", "2#0"]
+            # ids of another pass are dropped
+            assert json.loads(panel.graph_json(["gone#3"], mark=False))["graph"]["expanded"] == []
+
+            # a click on a node: its output, then its gradient
+            act = json.loads(panel.node_tensor_json("1.act#0"))   # alive: 2 saved it
+            assert act["name"] == "1.act output" and act["shape"] == [4, 3]
+            assert "freed" in json.loads(panel.node_tensor_json("1.lin#0"))["error"]
+            assert "no gradient" in json.loads(panel.node_tensor_json("2#0", grad=True))["error"]
+            out.sum().backward()
+            grad = json.loads(panel.node_tensor_json("2#0", grad=True))
+            assert grad["name"] == "2.weight.grad" and grad["shape"] == [2, 3]
+            assert "no node" in json.loads(panel.node_tensor_json("nope#0"))["error"]
+        del out
+        gc.collect()
 
 
 def test_parse_address():

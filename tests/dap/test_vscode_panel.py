@@ -1,7 +1,8 @@
 """The VS Code Tensors panel page (vscode-extension/media/panel.html + out/webview.js) in
 headless Chromium, outside VS Code: `acquireVsCodeApi` is stubbed, the page is served with
 its real Content-Security-Policy, and recorded panel-API messages are posted to it (a stop,
-a frame's tensors, a tensor slice with NaN and +/-Inf), as the extension does.
+a frame's tensors, a tensor slice with NaN and +/-Inf, the graph of a pass), as the extension
+does. The graph is drawn by the installed bokeh's own BokehJS, served as the webview serves it.
 
 Needs Debian's /usr/bin/chromium and the extension's node_modules (`npm ci` in
 vscode-extension, or scripts/setup_vscode_e2e.sh); the page is rebuilt when out/ is stale.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -58,12 +60,21 @@ def _build_if_stale() -> None:
 
 
 def _page_html() -> str:
+    """The page as panel.ts builds it once a graph came: BokehJS's script tags (the files of the
+    installed bokeh, served here from BOKEH_ORIGIN as the webview serves them from its root)."""
     template = (EXT / "media" / "panel.html").read_text()
+    bokeh = "\n".join(f'<script nonce="{NONCE}" src="{ORIGIN}/bokeh/{Path(f).name}"></script>'
+                      for f in _bokeh_js())
     values = {"cspSource": ORIGIN, "nonce": NONCE, "scriptUri": f"{ORIGIN}/out/webview.js",
-              "styleUri": f"{ORIGIN}/media/panel.css"}
+              "styleUri": f"{ORIGIN}/media/panel.css", "bokehScripts": bokeh}
     for key, value in values.items():
         template = template.replace("{{%s}}" % key, value)
     return template
+
+
+def _bokeh_js() -> list[str]:
+    from mldebug.dap.panel import bokeh_files
+    return bokeh_files()["js"]
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +98,9 @@ def page(browser):
         if path in ("/", "/panel.html"):
             return route.fulfill(status=200, content_type="text/html", body=_page_html())
         file = EXT / path.lstrip("/")
-        if path.startswith(("/out/", "/media/")) and file.is_file():
+        if path.startswith("/bokeh/"):
+            file = next((Path(f) for f in _bokeh_js() if Path(f).name == path[len("/bokeh/"):]), EXT)
+        if path.startswith(("/out/", "/media/", "/bokeh/")) and file.is_file():
             kind = "text/css" if file.suffix == ".css" else "text/javascript"
             return route.fulfill(status=200, content_type=kind, body=file.read_text())
         return route.fulfill(status=404, body="")
@@ -235,3 +248,119 @@ def test_running_and_ended(page):
     post(page, {"command": "ended"})
     page.wait_for_function("document.getElementById('banner-title').textContent === 'Session ended'")
     assert page.locator("#tensor-list li").count() == 0
+
+
+# -- the graph: the view's figure (dap/panel.py graph_json), drawn by the installed BokehJS ----
+@pytest.fixture(scope="module")
+def graph_answers():
+    """graph_json() and node_tensor_json() of a model whose `head` made a NaN, as the
+    extension receives them."""
+    import torch
+    from torch import nn
+
+    from mldebug import graph as G
+    from mldebug.dap import panel
+
+    class Head(nn.Module):
+        def forward(self, h):
+            return torch.log(h - 10.0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.act, self.head = nn.Linear(4, 3), nn.ReLU(), Head()
+
+        def forward(self, x):
+            return self.head(self.act(self.fc(x)))
+
+    torch.manual_seed(0)
+    with G.Capture():
+        out = Net()(torch.randn(2, 4))
+        G.last_graph().mark("head", "nan")
+        answers = {"graph": json.loads(panel.graph_json()),
+                   "closed": json.loads(panel.graph_json([], mark=False)),
+                   "head": json.loads(panel.node_tensor_json("head#0"))}
+    del out
+    return answers
+
+
+def graph_point(page, x: float, y: float) -> tuple[float, float]:
+    """Page coordinates of data point (X, Y) of the drawn graph figure (BokehJS's scales)."""
+    page.locator("#graph").scroll_into_view_if_needed()
+    return tuple(page.evaluate("""([x, y]) => {
+        const v = Bokeh.index.roots.filter(r => r.model.type === 'Figure').pop();
+        const box = v.el.getBoundingClientRect();
+        return [box.left + v.frame.x_scale.compute(x), box.top + v.frame.y_scale.compute(y)]; }""",
+                               [x, y]))
+
+
+def red_pixels(page) -> int:
+    return page.locator(".mld-panel-graph canvas").first.evaluate(
+        """c => { const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        let n = 0; for (let i = 0; i < d.length; i += 4)
+        if (d[i] === 255 && d[i+1] === 107 && d[i+2] === 107) n++; return n; }""")
+
+
+def test_graph_draws_the_marked_module_and_clicks_ask_for_its_output_and_toggles(page, graph_answers):
+    post(page, STOP)
+    post(page, {"command": "graph", **graph_answers["graph"]})
+    page.wait_for_selector("#graph[data-drawn='4']")
+    assert page.inner_text("#graph-note") == "4 module calls"
+    assert page.inner_text("#graph-marked") == "marked: head#0"
+    labels = page.evaluate("""() => Array.from(Bokeh.documents.at(-1)
+        .get_model_by_name('mld-graph-nodes').data.label)""")
+    assert labels[0] == "(root) (Net) [2, 3] f32" and labels[3] == "head (Head) [2, 3] f32 NaN/Inf!"
+    page.wait_for_function("() => document.querySelector('.mld-panel-graph') !== null")
+    deadline = time.monotonic() + 10
+    while red_pixels(page) < 50:           # the head row in the NaN colour of the view
+        assert time.monotonic() < deadline, "the marked row is not drawn in its colour"
+        page.wait_for_timeout(100)
+
+    # a click on the head row (depth 1, row 3): the TapTool selects it, the page asks for it
+    page.mouse.click(*graph_point(page, 1.2 + 1.5, 3))
+    page.wait_for_function("() => window.__posted.at(-1).command === 'requestTensor'")
+    assert posted(page)[-1] == {"command": "requestTensor", "request": {"expr": "head", "node": "head#0"}}
+    post(page, {"command": "tensor", "slice": graph_answers["head"], "request": posted(page)[-1]["request"]})
+    page.wait_for_function("() => document.getElementById('detail-name').textContent === 'head output'")
+    assert page.eval_on_selector("#heatmap", "c => [c.width, c.height]") == [3, 2]
+    assert pixel(page, 0, 0) == NAN_RGB               # every cell of head's output is NaN
+    # the gradient toggle asks for the node's gradient, still by its id
+    page.check("#grad-toggle")
+    assert posted(page)[-1]["request"] == {"expr": "head", "node": "head#0", "dims": [0, 1],
+                                           "index": [None, None], "grad": True}
+
+    # a click on the root's toggle asks for the graph with the root closed ... (apart from
+    # the first click by more than BokehJS's double-tap interval, or it is a double tap)
+    page.wait_for_timeout(600)
+    page.mouse.click(*graph_point(page, 0.45, 0))
+    page.wait_for_function("() => window.__posted.at(-1).command === 'requestGraph'")
+    assert posted(page)[-1] == {"command": "requestGraph", "expanded": []}
+    # ... and the answer, drawn again, has the one row
+    post(page, {"command": "graph", **graph_answers["closed"]})
+    page.wait_for_function("""() => { const d = Bokeh.documents.at(-1);
+        return d && d.get_model_by_name('mld-graph-nodes').data.id.length === 1; }""")
+    assert page.evaluate("Bokeh.documents.length") == 1       # the old document is dropped
+    assert page.locator(".mld-panel-graph").count() == 1     # the old figure is gone
+    assert page.errors == []
+
+
+def test_graph_state_survives_a_reload_and_ended_clears_it(page, graph_answers):
+    post(page, {"command": "graph", **graph_answers["graph"]})
+    page.wait_for_selector("#graph[data-drawn='4']")
+    page.reload()
+    page.wait_for_function("() => window.__posted.length > 0")
+    page.wait_for_selector("#graph[data-drawn='4']")
+    post(page, {"command": "ended"})
+    page.wait_for_function("() => !document.querySelector('#graph[data-drawn]')")
+    assert page.is_hidden("#graph-section")
+    assert page.errors == []
+
+
+def test_no_graph_says_why_and_a_missing_bokehjs_is_named(page, graph_answers):
+    post(page, {"command": "graph", "graph": None, "note": "No forward pass seen yet."})
+    page.wait_for_selector("#graph-section:not([hidden])")
+    assert page.inner_text("#graph-note") == "No forward pass seen yet."
+    page.evaluate("delete window.Bokeh")
+    post(page, {"command": "graph", **graph_answers["graph"]})
+    page.wait_for_function("() => document.getElementById('graph-note').textContent.includes('BokehJS did not load')")
+    assert "bokeh.min.js" in page.inner_text("#graph-note")

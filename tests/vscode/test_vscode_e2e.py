@@ -5,7 +5,9 @@ The freshly built .vsix is installed into a private code-server; a workspace hol
 small program that makes a NaN on its `# here` line and a launch.json of type `mldebug`.
 The test starts debugging, waits for the stop at that line, reads the stop banner and a
 tensor's summary from the Tensors panel (a webview: two iframes deep), presses Continue and
-sees the program finish.
+sees the program finish. A second program makes its NaN inside a model's module: the panel
+draws the graph of the pass (the view's Bokeh figure, by the program's BokehJS), the marked
+row is that module, and a click on it shows the module's output.
 
 Needs `bash scripts/setup_vscode_e2e.sh` first (Node 24, code-server, chromium, the .vsix
 under vscode-extension/.e2e/); skipped with that reason when it has not been run.
@@ -46,6 +48,32 @@ w = torch.linspace(-1.0, 1.0, 12).reshape(3, 4)
 x = torch.log(torch.zeros(2))       # -inf, not a stop with breakOn ["nan"]
 y = x - x  # here
 print("finished", y.tolist())
+"""
+
+MODEL_PROGRAM = """\
+import torch
+from torch import nn
+
+
+class Head(nn.Module):
+    def forward(self, h):
+        return torch.log(h - 10.0)  # here
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.act = nn.ReLU()
+        self.head = Head()
+
+    def forward(self, x):
+        return self.head(self.act(self.fc(x)))
+
+
+torch.manual_seed(0)
+out = Net()(torch.randn(2, 4))
+print("finished", out.shape)
 """
 
 USER_SETTINGS = {
@@ -166,9 +194,11 @@ def code_server(tmp_path):
     server = CodeServer(run, env["CS_BIN"], env["NODE24"])
     ws = run / "ws"
     (ws / "nan_prog.py").write_text(PROGRAM)
+    (ws / "nan_model.py").write_text(MODEL_PROGRAM)
+    # the program is the file open in the editor
     (ws / ".vscode" / "launch.json").write_text(json.dumps({"version": "0.2.0", "configurations": [{
-        "type": "mldebug", "request": "launch", "name": "mldebug: nan_prog",
-        "program": "${workspaceFolder}/nan_prog.py", "breakOn": ["nan"], "python": sys.executable,
+        "type": "mldebug", "request": "launch", "name": "mldebug: this file",
+        "program": "${file}", "breakOn": ["nan"], "python": sys.executable,
     }]}, indent=2))
     (run / "ud" / "User" / "settings.json").write_text(json.dumps(USER_SETTINGS, indent=2))
     t0 = time.time()
@@ -181,7 +211,8 @@ def code_server(tmp_path):
         last = E2E / "last-run"
         shutil.rmtree(last, ignore_errors=True)
         last.mkdir(parents=True)
-        for name in ("code-server.log", "shot-stopped.png", "shot-end.png", "console.log", "timings.json"):
+        for name in ("code-server.log", "shot-stopped.png", "shot-graph.png", "shot-end.png", "console.log",
+                     "timings.json"):
             if (run / name).exists():
                 shutil.copy(run / name, last / name)
 
@@ -311,6 +342,96 @@ def test_nan_stop_shows_in_the_tensors_panel_and_continue_finishes(code_server):
                 t if (t := panel.locator("#banner-title").inner_text(timeout=2_000)) == "Session ended" else None))
             assert ended == "Session ended"
             page.screenshot(path=str(run / "shot-end.png"))
+        except BaseException:
+            try:
+                page.screenshot(path=str(run / "shot-end.png"))
+            except Exception:  # noqa: BLE001
+                pass
+            raise
+        finally:
+            mark("done")
+            (run / "console.log").write_text("\n".join(console))
+            (run / "timings.json").write_text(json.dumps({**code_server.timings, **marks}, indent=1))
+            print("e2e timings:", {**code_server.timings, **marks})
+            browser.close()
+
+
+def graph_click(panel, x: float, y: float) -> None:
+    """Click data point (X, Y) of the panel's graph figure, placed by BokehJS's own scales."""
+    host = panel.locator(".mld-panel-graph").first
+    sx, sy = host.evaluate("""(el, [x, y]) => {
+        const v = Bokeh.index.roots.filter(r => r.model.type === 'Figure').pop();
+        return [v.frame.x_scale.compute(x), v.frame.y_scale.compute(y)]; }""", [x, y])
+    host.click(position={"x": sx, "y": sy})
+
+
+def test_nan_in_a_module_the_panel_draws_the_graph_marks_it_and_a_click_shows_its_output(code_server):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    marks: dict[str, float] = {}
+    t0 = time.time()
+
+    def mark(name: str) -> None:
+        marks[name] = round(time.time() - t0, 1)
+
+    url = code_server.start()
+    run = code_server.root
+    here = marker_line(MODEL_PROGRAM)
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        console: list[str] = []
+        page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+        try:
+            page.goto(url, wait_until="domcontentloaded", timeout=60_000)
+            page.wait_for_selector(".explorer-folders-view .monaco-list-row", timeout=60_000)
+            page.wait_for_selector("#workbench\\.parts\\.statusbar", timeout=60_000)
+            page.locator(".explorer-folders-view .monaco-list-row", has_text="nan_model.py").first.click()
+            page.wait_for_selector(".monaco-editor .view-lines", timeout=30_000)
+            time.sleep(2)
+            start_debugging(page)
+            page.wait_for_selector(".debug-toolbar .codicon-debug-continue", timeout=90_000)
+            mark("stopped")
+
+            panel = page.frame_locator("iframe.webview.ready").frame_locator("#active-frame")
+            detail = poll(page, "the stop banner naming the module", lambda: (
+                t if "module head" in (t := panel.locator("#banner-detail").inner_text(timeout=2_000)) else None))
+            assert f"nan_model.py:{here}" in detail, detail
+
+            # the graph: drawn by BokehJS (loaded from the program's bokeh), the head row marked
+            poll(page, "the graph drawn", lambda: panel.locator("#graph[data-drawn='4']").count() == 1, timeout=90)
+            mark("graph_drawn")
+            assert panel.locator("#graph-marked").inner_text(timeout=5_000) == "marked: head#0"
+            labels = panel.locator("#graph").evaluate("""() => Array.from(Bokeh.documents.at(-1)
+                .get_model_by_name('mld-graph-nodes').data.label)""")
+            assert labels[0].startswith("(root) (Net)"), labels
+            assert labels[3] == "head (Head) [2, 3] f32 NaN/Inf!", labels
+            colours = panel.locator("#graph").evaluate("""() => Array.from(Bokeh.documents.at(-1)
+                .get_model_by_name('mld-graph-nodes').data.color)""")
+            assert colours[3] == "#ff6b6b" and colours[1] != "#ff6b6b", colours
+
+            # a click on the marked row shows that module's output, evaluated in the paused frame
+            graph_click(panel, 1.2 + 1.5, 3)
+            poll(page, "head's output", lambda: panel.locator("#detail-name").inner_text(timeout=2_000) == "head output")
+            assert panel.locator("#heatmap").evaluate("c => [c.width, c.height]") == [3, 2]
+            assert panel.locator("#heatmap").evaluate(
+                "c => Array.from(c.getContext('2d').getImageData(0, 0, 1, 1).data.slice(0, 3))") == [255, 0, 255]
+            mark("node_output_shown")
+
+            # a click on the root's toggle closes it: Python draws the graph again, one row
+            time.sleep(0.6)      # apart from the first click by more than BokehJS's double tap
+            graph_click(panel, 0.45, 0)
+            poll(page, "the graph with the root closed", lambda: panel.locator("#graph").evaluate(
+                """() => { const d = Bokeh.documents.at(-1);
+                    return d && d.get_model_by_name('mld-graph-nodes').data.id.length === 1; }"""))
+            mark("root_closed")
+            page.screenshot(path=str(run / "shot-graph.png"))
+            errors = [line for line in console if "Content Security Policy" in line or "Bokeh" in line]
+            assert errors == [], errors
+
+            page.locator(".monaco-editor .view-lines").first.click()
+            page.keyboard.press("F5")
+            page.wait_for_selector(".debug-toolbar", state="hidden", timeout=60_000)
+            mark("session_ended")
         except BaseException:
             try:
                 page.screenshot(path=str(run / "shot-end.png"))

@@ -20,6 +20,8 @@ export function activate(context: vscode.ExtensionContext): void {
       inspector.replay(panel);
     } else if (message.command === 'requestTensor') {
       void inspector.requestTensor(message.request);
+    } else if (message.command === 'requestGraph') {
+      void inspector.requestGraph(message.expanded);
     }
   };
   const panels: PanelHost = {

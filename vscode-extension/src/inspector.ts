@@ -1,9 +1,11 @@
 // What the Tensors panel shows for the current pause: on every stop it asks the Python panel
-// API for the stop and the frame's tensors and posts them; it answers the panel's requests
-// for one tensor; it remembers the last messages so a new or reloaded panel is filled at once.
+// API for the stop, the frame's tensors and the graph of the last forward pass and posts
+// them; it answers the panel's requests for one tensor (a graph node's output too) and for the
+// graph with other modules open; it remembers the last messages so a new or reloaded panel is
+// filled at once.
 // Knows DAP sessions (through DapSession) and the message types, not the webview's DOM.
 import * as api from './panelApi';
-import type { PauseInfo, StopInfo, TensorRequest, ToWebview } from './messages';
+import type { GraphAnswer, PauseInfo, StopInfo, TensorRequest, ToWebview } from './messages';
 
 export interface InspectorSession extends api.DapSession {
   readonly id: string;
@@ -69,6 +71,8 @@ export class Inspector {
   /** `mldebug.stop` events received since each session last ran, by session id. */
   private readonly announced = new Map<string, StopInfo>();
   private readonly last = new Map<ToWebview['command'], ToWebview>();
+  /** The graph's open modules, kept from stop to stop (ids are stable across passes). */
+  private graphExpanded: string[] | null = null;
 
   constructor(private readonly panels: PanelHost, private readonly log: (line: string) => void = () => undefined) {}
 
@@ -119,25 +123,68 @@ export class Inspector {
       return;
     }
     this.post({ command: 'stop', stop, pause });
+    const pending = await this.describeTensors(session, frameId, generation);
+    await this.describeGraph(session, frameId, generation);
     // Summaries of huge tensors come `pending`: ask again a few times while still paused here.
-    for (let attempt = 0; generation === this.generation; attempt++) {
-      try {
-        const frame = await api.frameTensors(session, frameId);
-        if (generation !== this.generation) {
-          return;
-        }
-        this.post({ command: 'tensors', tensors: frame.tensors, truncated: frame.truncated });
-        if (!frame.tensors.some((t) => t.pending) || attempt >= PENDING_RETRIES) {
-          return;
-        }
-      } catch (e) {
-        if (generation === this.generation) {
-          this.post({ command: 'error', message: `Tensors of this frame are not available: ${errorText(e)}` });
-        }
+    for (let attempt = 0; pending && generation === this.generation && attempt < PENDING_RETRIES; attempt++) {
+      await new Promise((resolve) => setTimeout(resolve, PENDING_RETRY_MS));
+      if (generation !== this.generation || !(await this.describeTensors(session, frameId, generation))) {
         return;
       }
-      await new Promise((resolve) => setTimeout(resolve, PENDING_RETRY_MS));
     }
+  }
+
+  /** Post the frame's tensors; true when some summary is still pending. */
+  private async describeTensors(session: InspectorSession, frameId: number, generation: number): Promise<boolean> {
+    try {
+      const frame = await api.frameTensors(session, frameId);
+      if (generation !== this.generation) {
+        return false;
+      }
+      this.post({ command: 'tensors', tensors: frame.tensors, truncated: frame.truncated });
+      return frame.tensors.some((t) => t.pending);
+    } catch (e) {
+      if (generation === this.generation) {
+        this.post({ command: 'error', message: `Tensors of this frame are not available: ${errorText(e)}` });
+      }
+      return false;
+    }
+  }
+
+  /** Post the graph of the last pass: the modules open before stay open, and the path to
+   *  what is marked opens (the view does the same for a new pass). */
+  private async describeGraph(session: InspectorSession, frameId: number, generation: number): Promise<void> {
+    try {
+      const answer = await api.graphAnswer(session, this.graphExpanded, true, frameId);
+      if (generation === this.generation) {
+        this.postGraph(answer);
+      }
+    } catch (e) {
+      this.log(`graph_json failed: ${errorText(e)}`);
+      if (generation === this.generation) {
+        this.post({ command: 'graph', graph: null, note: `The graph is not available: ${errorText(e)}` });
+      }
+    }
+  }
+
+  /** The panel opened or closed a module of the graph: draw it again with EXPANDED open. */
+  async requestGraph(expanded: string[], where = this.pausedFrame): Promise<void> {
+    if (!where) {
+      this.post({ command: 'error', message: 'Not paused: the graph can change only at a stop.' });
+      return;
+    }
+    try {
+      this.postGraph(await api.graphAnswer(where.session, expanded, false, where.frameId));
+    } catch (e) {
+      this.post({ command: 'error', message: `Cannot draw the graph: ${errorText(e)}` });
+    }
+  }
+
+  private postGraph(answer: GraphAnswer): void {
+    if (answer.graph) {
+      this.graphExpanded = answer.graph.expanded;
+    }
+    this.post({ command: 'graph', graph: answer.graph, note: answer.note });
   }
 
   /** Show one tensor: REQUEST evaluated in the given frame, else in the paused frame. */
@@ -165,6 +212,7 @@ export class Inspector {
 
   ended(session: InspectorSession): void {
     this.announced.delete(session.id);
+    this.graphExpanded = null;
     if (!this.paused || this.paused.session.id === session.id) {
       this.paused = undefined;
       this.generation++;

@@ -92,9 +92,28 @@ export interface TensorSlice {
 }
 export type NonFinite = 'nan' | 'inf' | '-inf';
 
+/** The graph of the last forward pass (`graph_json()["graph"]`): the browser view's graph
+ *  figure as a standalone Bokeh document, drawn in the page by the program's own BokehJS. */
+export interface GraphPayload {
+  item: unknown;               // bokeh.embed.json_item of the figure: {doc, root_id, target_id, version}
+  note: string;                // "4 module calls"
+  expanded: string[];          // node ids shown open
+  marked: string[];            // NaN/Inf, violation, failing module calls: "head#0"
+  modules: number;
+  bokeh: { version: string; js: string[] };   // absolute paths of the BokehJS files
+}
+
+/** `graph_json()`: the graph, or null with why. */
+export interface GraphAnswer {
+  graph: GraphPayload | null;
+  note?: string;
+}
+
 /** What the extension asks `tensor_json` for. */
 export interface TensorRequest {
   expr: string;                // a Python expression valid in the paused frame
+                               // (for a graph node: its label, shown only)
+  node?: string;               // a graph node's id ("head#0"): its output via node_tensor_json
   dims?: [number, number] | null;
   index?: (number | null)[] | null;
   grad?: boolean;              // show expr.grad instead
@@ -115,6 +134,7 @@ export type ToWebview =
   | { command: 'stop'; stop: StopInfo | null; pause: PauseInfo }
   | { command: 'tensors'; tensors: TensorEntry[]; truncated?: number }
   | { command: 'tensor'; slice: TensorSlice; request: TensorRequest }
+  | { command: 'graph'; graph: GraphPayload | null; note?: string }
   | { command: 'error'; message: string }
   | { command: 'running' }
   | { command: 'ended' };
@@ -123,12 +143,13 @@ export type ToWebview =
 
 export type FromWebview =
   | { command: 'ready' }
-  | { command: 'requestTensor'; request: TensorRequest };
+  | { command: 'requestTensor'; request: TensorRequest }
+  | { command: 'requestGraph'; expanded: string[] };
 
 // ---- guards for messages arriving untyped ----------------------------------------------------
 
-const TO_WEBVIEW: ReadonlySet<string> = new Set<ToWebview['command']>(['stop', 'tensors', 'tensor', 'error', 'running', 'ended']);
-const FROM_WEBVIEW: ReadonlySet<string> = new Set<FromWebview['command']>(['ready', 'requestTensor']);
+const TO_WEBVIEW: ReadonlySet<string> = new Set<ToWebview['command']>(['stop', 'tensors', 'tensor', 'graph', 'error', 'running', 'ended']);
+const FROM_WEBVIEW: ReadonlySet<string> = new Set<FromWebview['command']>(['ready', 'requestTensor', 'requestGraph']);
 
 function hasCommand(value: unknown): value is { command: string } {
   return typeof value === 'object' && value !== null && typeof (value as { command?: unknown }).command === 'string';

@@ -1,8 +1,10 @@
 // The Tensors webview panel: one at a time (createOrShow / revive / dispose), its page built
-// from media/panel.html with a CSP nonce, resources only from media/ and out/, messages only
-// through postMessage typed by messages.ts.
+// from media/panel.html with a CSP nonce, resources only from media/ and out/ (and, once a
+// graph arrives, the program's own BokehJS files, whose folder is added to the roots and the
+// page rebuilt with their script tags), messages only through postMessage typed by messages.ts.
 import * as vscode from 'vscode';
 import { randomBytes } from 'crypto';
+import { dirname } from 'path';
 import { FromWebview, ToWebview, isFromWebview } from './messages';
 
 export const VIEW_TYPE = 'mldebugTensors';
@@ -14,6 +16,7 @@ export type WebviewHandler = (message: FromWebview, panel: TensorsPanel) => void
 export class TensorsPanel {
   private static instance: TensorsPanel | undefined;
   private readonly disposables: vscode.Disposable[] = [];
+  private bokehJs: string[] = [];
 
   /** The open panel, if any. */
   static current(): TensorsPanel | undefined {
@@ -37,10 +40,11 @@ export class TensorsPanel {
     return TensorsPanel.adopt(panel, extensionUri, handler);
   }
 
-  private static options(extensionUri: vscode.Uri): vscode.WebviewPanelOptions & vscode.WebviewOptions {
+  private static options(extensionUri: vscode.Uri, bokehJs: readonly string[] = []): vscode.WebviewPanelOptions & vscode.WebviewOptions {
+    const bokehDirs = [...new Set(bokehJs.map((f) => dirname(f)))].map((d) => vscode.Uri.file(d));
     return {
       enableScripts: true,
-      localResourceRoots: [vscode.Uri.joinPath(extensionUri, 'media'), vscode.Uri.joinPath(extensionUri, 'out')],
+      localResourceRoots: [vscode.Uri.joinPath(extensionUri, 'media'), vscode.Uri.joinPath(extensionUri, 'out'), ...bokehDirs],
     };
   }
 
@@ -62,7 +66,23 @@ export class TensorsPanel {
   }
 
   post(message: ToWebview): void {
+    if (message.command === 'graph' && message.graph && this.useBokeh(message.graph.bokeh.js)) {
+      return;       // the page reloads with BokehJS and says 'ready': the graph is replayed then
+    }
     void this.panel.webview.postMessage(message);
+  }
+
+  /** Load the program's BokehJS (the version that wrote the graph's JSON) into the page: its
+   *  folder becomes a resource root and the page is rebuilt with its script tags. True when
+   *  the page reloads now; false when these files are loaded already. */
+  private useBokeh(files: readonly string[]): boolean {
+    if (!files.length || files.join('\n') === this.bokehJs.join('\n')) {
+      return false;
+    }
+    this.bokehJs = [...files];
+    this.panel.webview.options = TensorsPanel.options(this.extensionUri, this.bokehJs);
+    void this.render();
+    return true;
   }
 
   dispose(): void {
@@ -79,9 +99,11 @@ export class TensorsPanel {
     const webview = this.panel.webview;
     const template = new TextDecoder().decode(
       await vscode.workspace.fs.readFile(vscode.Uri.joinPath(this.extensionUri, 'media', 'panel.html')));
+    const nonce = randomBytes(16).toString('base64');
     webview.html = fillTemplate(template, {
       cspSource: webview.cspSource,
-      nonce: randomBytes(16).toString('base64'),
+      nonce,
+      bokehScripts: scriptTags(this.bokehJs.map((f) => webview.asWebviewUri(vscode.Uri.file(f)).toString()), nonce),
       scriptUri: webview.asWebviewUri(vscode.Uri.joinPath(this.extensionUri, 'out', 'webview.js')).toString(),
       styleUri: webview.asWebviewUri(vscode.Uri.joinPath(this.extensionUri, 'media', 'panel.css')).toString(),
     });
@@ -92,6 +114,7 @@ export class TensorsPanel {
 export interface PageValues {
   cspSource: string;
   nonce: string;
+  bokehScripts: string;        // <script> tags of BokehJS, or '' before any graph
   scriptUri: string;
   styleUri: string;
 }
@@ -99,4 +122,10 @@ export interface PageValues {
 export function fillTemplate(template: string, values: PageValues): string {
   return template.replace(/\{\{(\w+)\}\}/g, (whole, key: string) =>
     key in values ? values[key as keyof PageValues] : whole);
+}
+
+/** Script tags for URIS carrying the page's nonce (the CSP allows nothing else). */
+export function scriptTags(uris: readonly string[], nonce: string): string {
+  const attr = (v: string) => v.replace(/&/g, '&amp;').replace(/"/g, '&quot;').replace(/</g, '&lt;');
+  return uris.map((u) => `<script nonce="${attr(nonce)}" src="${attr(u)}"></script>`).join('\n  ');
 }

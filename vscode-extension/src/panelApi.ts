@@ -5,7 +5,7 @@
 // characters in the middle (pydevd_safe_repr maxstring_outer), which breaks a 256x256
 // heatmap's JSON; the clipboard context returns the whole repr (checked with debugpy 1.8.22).
 import { pythonStrLiteral, pythonStrValue } from './pyrepr';
-import type { FrameTensors, PauseInfo, StopInfo, TensorRequest, TensorSlice } from './messages';
+import type { FrameTensors, GraphAnswer, PauseInfo, StopInfo, TensorRequest, TensorSlice } from './messages';
 
 /** The part of vscode.DebugSession this module uses (a stub in tests). */
 export interface DapSession {
@@ -18,9 +18,14 @@ export const MAX_SIDE = 256;
 export const expressions = {
   stop: (): string => `${PANEL_MODULE}.stop_json()`,
   frame: (): string => `${PANEL_MODULE}.frame_json(locals())`,
-  tensor: (r: TensorRequest, maxSide: number = MAX_SIDE): string =>
-    `${PANEL_MODULE}.tensor_json((${r.expr}), name=${pythonStrLiteral(r.expr)}, `
+  tensor: (r: TensorRequest, maxSide: number = MAX_SIDE): string => (r.node !== undefined
+    ? `${PANEL_MODULE}.node_tensor_json(${pythonStrLiteral(r.node)}, `
+    : `${PANEL_MODULE}.tensor_json((${r.expr}), name=${pythonStrLiteral(r.expr)}, `)
     + `dims=${pyIntList(r.dims)}, index=${pyIntList(r.index)}, grad=${r.grad ? 'True' : 'False'}, max_side=${maxSide})`,
+  /** The graph with EXPANDED open; MARK also opens the path to what is marked (a new stop). */
+  graph: (expanded: readonly string[] | null, mark: boolean): string =>
+    `${PANEL_MODULE}.graph_json(${expanded ? `[${expanded.map(pythonStrLiteral).join(', ')}]` : 'None'}, `
+    + `mark=${mark ? 'True' : 'False'})`,
   view: (): string => "__import__('mldebug').view()",
 };
 
@@ -88,4 +93,11 @@ export async function browserViewUrl(session: DapSession, frameId: number): Prom
   } catch {
     return undefined;
   }
+}
+
+/** The graph of the last forward pass (`{graph: null, note}` when there is none). */
+export async function graphAnswer(session: DapSession, expanded: readonly string[] | null, mark: boolean,
+  frameId: number): Promise<GraphAnswer> {
+  const answer = await evaluateJson<GraphAnswer>(session, expressions.graph(expanded, mark), frameId);
+  return { graph: answer.graph ?? null, note: answer.note };
 }

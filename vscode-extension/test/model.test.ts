@@ -4,9 +4,9 @@ import * as assert from 'node:assert/strict';
 import * as stopFixture from './fixtures/stop.json';
 import * as frameFixture from './fixtures/frame.json';
 import * as sliceFixture from './fixtures/tensor_nan.json';
-import type { StopInfo, TensorEntry, TensorSlice, ToWebview } from '../src/messages';
+import type { GraphPayload, StopInfo, TensorEntry, TensorSlice, ToWebview } from '../src/messages';
 import { isFromWebview, isToWebview } from '../src/messages';
-import { INITIAL_STATE, bannerFor, bannerText, dataText, formatNumber, formatSummary, reduce, requestToRepeat, sliceSummary } from '../src/webview/model';
+import { INITIAL_STATE, bannerFor, bannerText, dataText, formatNumber, formatSummary, nodeRequest, reduce, requestToRepeat, sliceSummary, toggled } from '../src/webview/model';
 
 const stop = stopFixture.stop as StopInfo;
 const tensors = frameFixture.tensors as TensorEntry[];
@@ -85,8 +85,40 @@ describe('tensor, running and ended messages', () => {
   });
 });
 
+describe('graph messages', () => {
+  const graph: GraphPayload = {
+    item: {}, note: '4 module calls', expanded: ['root#0'], marked: ['head#0'], modules: 4,
+    bokeh: { version: '3.9.2', js: ['/py/bokeh.min.js'] },
+  };
+  it('a graph is kept with its note; none says why; a stop and running keep it, ended clears it', () => {
+    const state = apply({ command: 'graph', graph }, { command: 'stop', stop, pause }, { command: 'running' });
+    assert.equal(state.graph, graph);
+    assert.equal(state.graphNote, '4 module calls');
+    const none = reduce(state, { command: 'graph', graph: null, note: 'No forward pass seen yet.' });
+    assert.equal(none.graph, null);
+    assert.equal(none.graphNote, 'No forward pass seen yet.');
+    const ended = reduce(state, { command: 'ended' });
+    assert.equal(ended.graph, null);
+    assert.equal(ended.graphNote, '');
+  });
+  it('a toggle opens or closes one module; a node asks for its output by id', () => {
+    assert.deepEqual(toggled(['root#0'], 'fc#0'), ['root#0', 'fc#0']);
+    assert.deepEqual(toggled(['root#0', 'fc#0'], 'root#0'), ['fc#0']);
+    assert.deepEqual(nodeRequest('head#0', 'head (Head) [2, 3] f32 NaN/Inf!'), { expr: 'head', node: 'head#0' });
+    assert.deepEqual(nodeRequest('root#0', '(root) (Net) [2, 3] f32'), { expr: '(root)', node: 'root#0' });
+  });
+  it('a node\'s slice is not asked again at the next stop (its output belongs to that pass)', () => {
+    const state = apply({ command: 'tensors', tensors }, { command: 'tensor', slice, request: { expr: 'head', node: 'head#0' } },
+      { command: 'stop', stop, pause }, { command: 'tensors', tensors });
+    assert.equal(requestToRepeat(state), null);
+  });
+});
+
 describe('message guards', () => {
   it('accept the commands of their direction only', () => {
+    assert.ok(isToWebview({ command: 'graph', graph: null }));
+    assert.ok(isFromWebview({ command: 'requestGraph', expanded: [] }));
+    assert.ok(!isToWebview({ command: 'requestGraph', expanded: [] }));
     assert.ok(isToWebview({ command: 'stop', stop: null, pause }));
     assert.ok(!isToWebview({ command: 'requestTensor' }));
     assert.ok(isFromWebview({ command: 'requestTensor', request: { expr: 'x' } }));

@@ -1,8 +1,9 @@
 // Entry point of the Tensors panel page: restores the saved state (getState), applies each
 // message from the extension to it (model.reduce), saves it (setState) and redraws; asks the
-// extension for tensors through postMessage. Says 'ready' once, so the extension can replay.
+// extension for tensors (a graph node's output too) and for the graph with a module opened or
+// closed through postMessage. Says 'ready' once, so the extension can replay.
 import { FromWebview, isToWebview, TensorRequest } from '../messages';
-import { INITIAL_STATE, PanelState, reduce, requestToRepeat } from './model';
+import { INITIAL_STATE, nodeRequest, PanelState, reduce, requestToRepeat, toggled } from './model';
 import { render } from './view';
 
 interface VsCodeApi {
@@ -20,6 +21,12 @@ const actions = {
     state = { ...state, request };
     vscode.setState(state);
     vscode.postMessage({ command: 'requestTensor', request });
+  },
+  node(id: string, label: string): void {
+    actions.request(nodeRequest(id, label));
+  },
+  toggle(id: string): void {
+    vscode.postMessage({ command: 'requestGraph', expanded: toggled(state.graph?.expanded ?? [], id) });
   },
 };
 

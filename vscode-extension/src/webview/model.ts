@@ -1,7 +1,7 @@
 // The Tensors panel's state and how each message from the extension changes it: pure
 // functions, no DOM (test/model.test.ts runs them in Node). The state is what the page
 // saves with setState, so it must stay plain JSON.
-import type { DataOrigin, PauseInfo, StopInfo, TensorEntry, TensorRequest, TensorSlice, TensorSummary, ToWebview } from '../messages';
+import type { DataOrigin, GraphPayload, PauseInfo, StopInfo, TensorEntry, TensorRequest, TensorSlice, TensorSummary, ToWebview } from '../messages';
 
 export type BannerKind = 'idle' | 'stop' | 'paused' | 'running' | 'ended';
 
@@ -20,6 +20,8 @@ export interface PanelState {
   request: TensorRequest | null;   // the tensor shown (or asked for), re-asked at each stop
   stale: boolean;                  // the slice is from an earlier stop
   error: string | null;
+  graph: GraphPayload | null;      // the graph of the last forward pass, drawn by BokehJS
+  graphNote: string;               // why there is no graph, or how many module calls
 }
 
 export const INITIAL_STATE: PanelState = {
@@ -30,6 +32,8 @@ export const INITIAL_STATE: PanelState = {
   request: null,
   stale: false,
   error: null,
+  graph: null,
+  graphNote: '',
 };
 
 const REASON_TITLES: Record<string, string> = {
@@ -103,6 +107,8 @@ export function reduce(state: PanelState, message: ToWebview): PanelState {
       return { ...state, tensors: message.tensors, truncated: message.truncated ?? 0 };
     case 'tensor':
       return { ...state, slice: message.slice, request: message.request, stale: false, error: null };
+    case 'graph':
+      return { ...state, graph: message.graph, graphNote: message.graph?.note ?? message.note ?? '' };
     case 'error':
       return { ...state, error: message.message };
     case 'running':
@@ -170,4 +176,14 @@ export function formatNumber(value: number | null | undefined): string {
     return value.toExponential(3);
   }
   return String(Number(value.toPrecision(4)));
+}
+
+/** The open set after a click on the toggle of node ID: open it, or close it. */
+export function toggled(expanded: readonly string[], id: string): string[] {
+  return expanded.includes(id) ? expanded.filter((e) => e !== id) : [...expanded, id];
+}
+
+/** The request for a graph node's output: its label (up to the type) is what the panel names. */
+export function nodeRequest(id: string, label: string): TensorRequest {
+  return { expr: label.split(' (')[0] || id, node: id };
 }

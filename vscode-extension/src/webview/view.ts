@@ -1,13 +1,15 @@
 // Draws a PanelState into the page of media/panel.html: the stop banner, the list of the
-// frame's tensors with inline histograms, and the selected tensor (heatmap, hover, legend,
-// dim selectors and sliders, histogram, image, gradient toggle). User actions are reported
-// through the callbacks; nothing here talks to the extension directly.
+// frame's tensors with inline histograms, the graph of the last pass (graph.ts, BokehJS), and
+// the selected tensor (heatmap, hover, legend, dim selectors and sliders, histogram, image,
+// gradient toggle). User actions are reported through the callbacks; nothing here talks to
+// the extension directly.
 import type { TensorEntry, TensorRequest, TensorSlice } from '../messages';
 import { cellInfo, cssColour, drawHeatmap, NONFINITE_COLOURS, NONFINITE_LABELS, sliceSize, viridis } from './heatmap';
+import { drawGraph, GraphActions } from './graph';
 import { histogramSvg } from './histogram';
 import { Banner, formatNumber, PanelState, sliceSummary } from './model';
 
-export interface ViewActions {
+export interface ViewActions extends GraphActions {
   request(request: TensorRequest): void;
 }
 
@@ -39,7 +41,18 @@ export function render(state: PanelState, actions: ViewActions): void {
   const more = byId('tensor-more');
   more.hidden = state.truncated <= 0;
   more.textContent = `\u2026 and ${state.truncated} more`;
+  renderGraph(state, actions);
   renderDetail(state, actions);
+}
+
+function renderGraph(state: PanelState, actions: ViewActions): void {
+  const section = byId('graph-section');
+  section.hidden = !state.graph && !state.graphNote;
+  const note = byId('graph-note');
+  note.textContent = state.graphNote;
+  const marked = state.graph?.marked ?? [];
+  byId('graph-marked').textContent = marked.length ? `marked: ${marked.join(', ')}` : '';
+  drawGraph(byId('graph'), note, state.graph, actions);
 }
 
 function renderBanner(banner: Banner): void {

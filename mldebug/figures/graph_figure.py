@@ -1,14 +1,16 @@
 """The graph figure: the module tree of a Graph as rows (one a module call, indented by
 depth, its output's shape and dtype, coloured by status: NaN/Inf, a violation, a failing
 assertion), with a ▸/▾ toggle on the rows that have children. One drawer for every
-surface that shows a graph: the browser view's Inspect tab (app.py, which wires the
-clicks to its server) and a notebook's inline display (mldebug/notebook, static)."""
+surface that shows a graph: the browser view's Inspect tab (view/app.py, which wires the
+clicks to its server), a notebook's inline display (mldebug/notebook, static) and the VS
+Code panel (dap/panel.py's graph_json: a standalone document whose clicks the webview
+reads from BokehJS's own models)."""
 from __future__ import annotations
 
 from bokeh.models import ColumnDataSource, Range1d, TapTool
 from bokeh.plotting import figure
 
-from . import data as _data
+from . import graph_rows as _rows
 
 STATUS_COLORS = {"ok": "#dee2e6", "nonfinite": "#ff6b6b", "violation": "#ffa94d",
                  "failing": "#c92a2a"}
@@ -47,7 +49,7 @@ class GraphFigure:
         self.fig.add_tools(TapTool(renderers=[self.node_renderer, self.toggle_renderer]))
 
     def draw(self, graph, expanded: set) -> str:
-        rows = _data.graph_rows(graph, expanded)
+        rows = _rows.graph_rows(graph, expanded)
         rs = rows["rows"]
         width = [max(4.0, len(r["label"]) * 0.55) for r in rs]
         self.src.data = dict(
