@@ -31,11 +31,19 @@ def disabled() -> bool:
     return os.environ.get("MLDEBUG_NATIVE", "1").strip().lower() in ("0", "off", "no", "false")
 
 
+# plain tensors: a subclass (DTensor, FakeTensor, a wrapper subclass) may answer data_ptr()
+# with an address that is not its values' (FSDP2's DTensor gradients: 0 and 128)
+_PLAIN = frozenset(t for t in (torch.Tensor, torch.nn.Parameter,
+                               getattr(torch.nn.parameter, "Buffer", None)) if t is not None)
+
+
 def readable_address(x: torch.Tensor) -> int:
-    """The address of X's first value when X (a CPU tensor, contiguous) has memory of its
-    own that holds all its values; 0 when it must not be read: a wrapper tensor without
-    storage, autograd's efficient zero tensors and functionalize's wrappers (a null
-    pointer), a freed (shrunk) storage."""
+    """The address of X's first value when X (a plain CPU tensor, contiguous) has memory
+    of its own that holds all its values; 0 when it must not be read: a tensor subclass,
+    a wrapper tensor without storage, autograd's efficient zero tensors and functionalize's
+    wrappers (a null pointer), a freed (shrunk) storage."""
+    if type(x) not in _PLAIN or not x.is_cpu:
+        return 0
     try:
         ptr = x.data_ptr()            # a wrapper tensor (no storage) raises
     except RuntimeError:

@@ -38,3 +38,15 @@ def test_mldebug_native_0_turns_every_kernel_off(monkeypatch):
     assert native.disabled()
     monkeypatch.setenv("MLDEBUG_NATIVE", "1")
     assert not native.disabled()
+
+
+def test_a_tensor_subclass_is_never_read_by_address():
+    """A subclass may answer data_ptr() with an address that is not its values' (FSDP2's
+    DTensor gradients answered 0 and 128, and reading 128 crashed the process)."""
+    class Wrapped(torch.Tensor):
+        pass
+
+    plain = torch.ones(3)
+    assert native.readable_address(plain) != 0
+    assert native.readable_address(plain.as_subclass(Wrapped)) == 0
+    assert native.readable_address(torch.nn.Parameter(torch.ones(3))) != 0
