@@ -157,13 +157,23 @@ class TensorSummary:
 
 
 
+def _version(x):
+    """X's version counter; None for an array (numpy keeps none). An inference tensor
+    does not track one: reading it raises RuntimeError."""
+    try:
+        return x._version
+    except AttributeError:
+        return None
+
+
 def keep_source(s: TensorSummary, x) -> None:
     """Remember a 2-D to 4-D X (a matrix, an image, a batch of images) weakly, with its
-    version, for the summary's heatmap (html.py)."""
+    version, for the summary's heatmap (html.py). A tensor made under inference_mode is
+    not kept: without a version counter a change in place could not be seen."""
     try:
         if 2 <= len(getattr(x, "shape", ())) <= 4:
-            s.__dict__["_source"] = (weakref.ref(x), getattr(x, "_version", None))
-    except TypeError:   # a type without weak references: no heatmap
+            s.__dict__["_source"] = (weakref.ref(x), _version(x))
+    except (TypeError, RuntimeError):   # no weak references, or no version counter
         pass
 
 
@@ -173,7 +183,10 @@ def source_of(s: TensorSummary):
     if kept is None:
         return None
     x = kept[0]()
-    if x is None or getattr(x, "_version", None) != kept[1]:
+    try:
+        if x is None or _version(x) != kept[1]:
+            return None
+    except RuntimeError:
         return None
     return x
 

@@ -94,3 +94,13 @@ def test_an_image_batch_shows_its_first_plane_with_the_nan_and_the_picture():
     assert "mldebug-heatmap" in mldebug.summary(y)._repr_html_()
     assert "mldebug-heatmap" not in mldebug.summary(z := torch.rand(2, 2, 2, 2, 2))._repr_html_()
     del z
+
+
+def test_a_tensor_made_under_inference_mode_is_summarised_without_a_heatmap():
+    """An inference tensor keeps no version counter (reading it raises): its summary has
+    its stats as any other's, and no heatmap, since a change in place could not be seen."""
+    with torch.inference_mode():
+        x = torch.tensor([[1.0, float("nan")], [3.0, 4.0]])
+    s = mldebug.summary(x)
+    assert s.nan == 1 and s.max == 4.0, s
+    assert "<img" not in s._repr_html_()
