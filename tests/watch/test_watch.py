@@ -624,3 +624,15 @@ def test_unchecked_upcast_keeps_its_line_for_a_backward_overflow():
     assert v.node == "ToCopyBackward0"
     assert (v.file, v.line) == (os.path.abspath(__file__),
                                 line_of(__file__, "y = x.float()  "))
+
+
+def test_an_async_collectives_buffer_is_checked_after_its_wait_not_when_made():
+    """A functional collective hands out a buffer the backend fills later (FSDP2's
+    all_gather_into_tensor): read at once it held uninitialized NaN bits, a false stop in
+    a 2-rank job. Its `wait_tensor` output is checked, as any op's."""
+    from mldebug.watch.ops import OpInfo
+    functional = torch.ops._c10d_functional
+    assert OpInfo(functional.all_gather_into_tensor.default).skip
+    assert OpInfo(functional.all_reduce.default).skip
+    assert not OpInfo(functional.wait_tensor.default).skip
+    assert not OpInfo(torch.ops.aten.add.Tensor).skip
