@@ -50,31 +50,8 @@ y = x - x  # here
 print("finished", y.tolist())
 """
 
-MODEL_PROGRAM = """\
-import torch
-from torch import nn
-
-
-class Head(nn.Module):
-    def forward(self, h):
-        return torch.log(h - 10.0)  # here
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 3)
-        self.act = nn.ReLU()
-        self.head = Head()
-
-    def forward(self, x):
-        return self.head(self.act(self.fc(x)))
-
-
-torch.manual_seed(0)
-out = Net()(torch.randn(2, 4))
-print("finished", out.shape)
-"""
+# a NaN inside a model's module (the DAP tests' program): the panel's graph marks head#0
+MODEL_PROGRAM = (REPO / "tests" / "programs_dap" / "nan_model.py").read_text()
 
 USER_SETTINGS = {
     "security.workspace.trust.enabled": False,
