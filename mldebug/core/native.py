@@ -13,6 +13,7 @@ torch when its kernel cannot be had.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
@@ -92,6 +93,15 @@ def cache_dir() -> str:
         if private(where):
             return where
     return tempfile.mkdtemp(prefix="mldebug-")
+
+
+def load(source: str, flags: tuple) -> ctypes.CDLL:
+    """SOURCE's library, built when missing (`library`) and loaded; a cached library this
+    machine cannot load is built again."""
+    try:
+        return ctypes.CDLL(library(source, flags))
+    except OSError:
+        return ctypes.CDLL(library(source, flags, rebuild=True))
 
 
 def library(source: str, flags: tuple, rebuild: bool = False) -> str:

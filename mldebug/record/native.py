@@ -64,11 +64,7 @@ def kernel() -> Optional[Kernel]:
         why = "MLDEBUG_NATIVE=0"
     else:
         try:
-            path = _native.library(SOURCE, _FLAGS)
-            try:
-                lib = ctypes.CDLL(path)
-            except OSError:        # a cached library this machine cannot load: build it
-                lib = ctypes.CDLL(_native.library(SOURCE, _FLAGS, rebuild=True))
+            lib = _native.load(SOURCE, _FLAGS)
             k = Kernel(lib)
             why = _check(k)
             if why:

@@ -43,10 +43,7 @@ def _functions() -> dict:
         why = "MLDEBUG_NATIVE=0"
     else:
         try:
-            try:
-                lib = ctypes.CDLL(_native.library(SOURCE, _FLAGS))
-            except OSError:      # a cached library this machine cannot load: build it
-                lib = ctypes.CDLL(_native.library(SOURCE, _FLAGS, rebuild=True))
+            lib = _native.load(SOURCE, _FLAGS)
             for dtype, name in _SYMBOLS.items():
                 fn = getattr(lib, name)
                 fn.argtypes = [ctypes.c_void_p, ctypes.c_int64]
