@@ -65,14 +65,23 @@ Where a stop points
 Devices
     CPU outputs are checked immediately, by a C bit test that reads the tensor's memory in
     place (watch/native_check.py: no torch op, no read); without a compiler by one `sum` +
-    `.item()` per output (an exact isfinite count only when the sum is not finite). Outputs on other devices (CUDA) are
-    summed on the device without a sync; the sums are read with ONE transfer per window:
-    when the outermost module returns, at the end of backward (autograd final callback),
-    before/after the optimizer step, every WINDOW_MAX ops and at close(). The stop then
-    names the first bad op of the window with its module and user line, but the pause
-    happens at the window boundary (the op's frame may be gone). Backward on CUDA runs
-    on autograd's device thread: a 'break' stop found there is delivered on the thread
-    that started the watch, at its next op or hook; 'raise' raises from backward().
+    `.item()` per output (an exact isfinite count only when the sum is not finite).
+    Tensors on other devices (CUDA) are held by the ledger (watch/step_ledger.py), without
+    an op or a sync, and a read reduces them all with one `_foreach_norm` per dtype, one
+    stack, one amax and ONE transfer. Until an optimizer step has been seen a read ends
+    each window (the outermost module returns, backward ends, the optimizer steps, every
+    WINDOW_MAX ops, close()); in training after that, once a step, at `optimizer.step()`
+    (before the parameters change): the step's forward, loss, backward and the previous
+    step's update in one read. A forward under no_grad, a loss scaler's backward, a second
+    backward before the step (gradient accumulation) and a step's closure still read at
+    their end. The stop names the first bad op of what was read, with its module and user
+    line (a forward or backward op by re-running its call, as on the CPU), but the pause
+    happens at the read (inside that re-run, or at the `optimizer.step()` line), and a
+    re-run computes again from what the call kept: a call whose result depends on state
+    changed between it and the read (other than buffers) is not pinned, and says so.
+    Temporaries are held at most 64 tensors / 64 MiB at a time. Backward on CUDA runs on
+    autograd's device thread: a 'break' stop found there is delivered on the thread that
+    started the watch, at its next op or hook; 'raise' raises from backward().
 
 Processes and threads
     In forked children (DataLoader workers) the watch does nothing; a NaN in a sample

@@ -9,6 +9,7 @@ Mixed into `Watch` (core.py), called around backward by autograd_patch.
 from __future__ import annotations
 
 import threading
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -17,8 +18,9 @@ from ..core import replay as _replay
 from ..core.errors import NonFiniteError
 from . import safe as _safe
 from . import tiers as _tiers
-from .checks import _F32, _SUM_DTYPE, _checkable, _counts, _floating, _isfinite
+from .checks import _SUM_DTYPE, _checkable, _counts, _floating, _isfinite
 from .native_check import nonfinite as _native_nonfinite
+from .step_ledger import counts_of, first_bad
 
 _get_ident = threading.get_ident
 _HOST_READS = True      # False while tests run the device paths on the CPU
@@ -63,9 +65,16 @@ class BackwardTier:
                     targets.append((call, pos, call.used[pos]))
         if not targets:
             return proceed(tensors, grad_tensors, *args, **kwargs)   # exact all through
+        if self._ledger.backwards:
+            # one backward's judge waits for the step's read at a time (it keeps its
+            # gradients): a second backward before the step (gradient accumulation)
+            # reads the first one's now
+            self._read_ledger()
         n0 = len(self.violations)
         armed = self._arm_output_sentinels(roots, targets)
         if not armed:
+            if self._ledger:
+                self._read_ledger()   # the dry run judges now: what came before, first
             t.read_now += 1
             try:
                 with _replay.replaying():
@@ -90,29 +99,87 @@ class BackwardTier:
                 calls.append(call)
         popped = _tiers.pop_if_top(self._mode)
         t.bflag = None
-        t.device_grad_sums = []
-        suspect = None
+        t.device_grad_slots = []
         t.in_backward += 1
         t.loss_bflag = None
-        t.device_loss_sums = []
+        t.device_loss_slots = []
+        checks = None
         try:
             result = proceed(tensors, grad_tensors, *args, **kwargs)
             if not self._skip:
-                if armed:
-                    self._read_output_grad_sums()
                 # (with the mode still off; a loss region that needed the dry run may
                 # hold other paths into parameters: then every gradient is checked)
-                suspect = self._suspect_grads(calls, checked_only=bool(armed))
+                checks = self._gradient_checks(calls, checked_only=bool(armed))
         finally:
             t.in_backward -= 1
             for sentinel in armed:
                 sentinel.call = None
             if popped:
                 _tiers.push(self._mode)
+        if checks is None:
+            if not opts.get("retain_graph"):
+                self._forget_calls(calls)
+            return result
+        if not opts.get("retain_graph"):
+            self._forget_calls(calls)     # (the judge keeps what it needs of them)
+        judge = partial(self._judge_backward, checks, roots, targets, calls, stopped)
+        if checks.device:
+            self._ledger.backwards += 1
+            self._read_or_defer(judge, always=True)
+        else:
+            judge(None)
+        return result
+
+    def _gradient_checks(self, calls, checked_only):
+        """Right after the real backward: the gradients on the CPU checked now, those on
+        a device held by the ledger for the judge of this backward."""
+        t = self._t
+        leaves = []
+        for call in calls:
+            leaves.extend(_tiers.grad_inputs(call.module, call.args, checked_only))
+        checks = _GradientChecks()
+        checks.loss_bflag, t.loss_bflag = t.loss_bflag, None
+        checks.bflag, t.bflag = t.bflag, None
+        checks.loss_slots, t.device_loss_slots = t.device_loss_slots, []
+        checks.grad_slots, t.device_grad_slots = t.device_grad_slots, []
+        host, device = _tiers.split_by_device(_tiers.floating_grads(leaves))
+        checks.host_bad = _tiers.any_nonfinite_sum(host) if host else False
+        checks.leaf_slots = self._ledger.hold(device, alive=True) if device else ()
+        checks.device = bool(checks.loss_slots or checks.grad_slots or device)
+        return checks
+
+    def _judge_backward(self, checks, roots, targets, calls, stopped, values):
+        """A judge of the ledger (always run): the gradients' verdict, a replay of the
+        model's backward for a bad one (`_pin_backward`)."""
+        t = self._t
+        loss_bflag = checks.loss_bflag
+        if loss_bflag is None and values is not None:
+            for slot, call, pos in checks.loss_slots:
+                value = first_bad(values, (slot,))
+                if value is not None:
+                    loss_bflag = (call, pos, counts_of(value))
+                    break
+        bflag = checks.bflag
+        if bflag is None and values is not None:
+            for slot, record in checks.grad_slots:
+                value = first_bad(values, (slot,))
+                if value is not None:
+                    bflag = (record, counts_of(value))
+                    break
+        grads_bad = checks.host_bad or first_bad(values, checks.leaf_slots) is not None
+        if loss_bflag is None and bflag is None and not grads_bad:
+            t.judged_grads.clear()
+            return
+        with self._own_ops():
+            suspect = self._suspect_grads(calls, bflag)
+        t.loss_bflag = loss_bflag
         try:
-            if t.loss_bflag is not None and not self._skip:
-                stopped = self._report_loss_region(roots, targets)
             after_stop = stopped or any(call.lineage for call in calls)
+            if t.loss_bflag is not None and not self._skip and not after_stop \
+                    and not self._outputs_judged(calls):
+                # (judged at the step's read, after the forward: a model output judged
+                # non-finite since made the loss's gradient so, not an overflow there)
+                after_stop = self._report_loss_region(roots, targets)
             if (after_stop or t.loss_bflag is not None) and suspect is not None:
                 # the forward or the loss's backward made them (a stop there, or the
                 # unchecked region's overflow): the bad gradients descend from that (the
@@ -124,9 +191,6 @@ class BackwardTier:
                 self._pin_backward(calls, *suspect)
         finally:
             t.loss_bflag = None
-            if not opts.get("retain_graph"):
-                self._forget_calls(calls)
-        return result
 
     def _arm_output_sentinels(self, roots, targets) -> list:
         """When the loss region (the autograd graph from the loss down to the model's
@@ -150,15 +214,6 @@ class BackwardTier:
             sentinel.call, sentinel.pos = call, pos
         return [sentinel for sentinel, _, _ in armed]
 
-    def _read_output_grad_sums(self):
-        t = self._t
-        sums, t.device_loss_sums = t.device_loss_sums, []
-        if sums and t.loss_bflag is None:
-            found = _tiers.first_nonfinite_sum([(s, (call, pos)) for s, call, pos in sums])
-            if found is not None:
-                (call, pos), counts = found
-                t.loss_bflag = (call, pos, counts)
-
     def _report_loss_region(self, roots, targets) -> bool:
         """A model output's gradient came out of the unchecked loss region non-finite
         (an overflow): a stop at `loss.backward()` that names the region's nodes."""
@@ -174,23 +229,20 @@ class BackwardTier:
                    "`--watch exact`, which pins the op")
         return len(self.violations) > n0
 
-    def _suspect_grads(self, calls, checked_only=False):
-        """After the real backward (exact mode still off): None when every gradient is
-        finite, else (bad [(param, counts)], new of those, first bad output gradient).
-        CHECKED_ONLY: leave out the gradients that follow from checked ones
-        (safe.params_to_check)."""
-        t = self._t
-        leaves = []
+    def _outputs_judged(self, calls) -> bool:
+        """Whether an output of CALLS still alive holds a NaN/Inf judged already."""
         for call in calls:
-            leaves.extend(_tiers.grad_inputs(call.module, call.args, checked_only))
-        bflag, t.bflag = t.bflag, None
-        if t.device_grad_sums:
-            sums, t.device_grad_sums = t.device_grad_sums, []
-            if bflag is None:
-                bflag = _tiers.first_nonfinite_sum(sums)
-        if bflag is None and not _tiers.nonfinite_grads(leaves):
-            t.judged_grads.clear()
-            return None
+            for ref in call.outs:
+                o = ref() if ref is not None else None
+                if o is not None and self._taint_get(o) is not None:
+                    return True
+        return False
+
+    def _suspect_grads(self, calls, bflag):
+        """Some gradient may be non-finite (BFLAG: the first bad output gradient, or
+        None): None when no parameter gradient is (a finite sum that overflowed), else
+        (bad [(param, counts)], new of those, BFLAG)."""
+        t = self._t
         bad = []
         for p in {id(p): p for call in calls
                   for p in _tiers.grad_inputs(call.module, call.args)}.values():
@@ -232,13 +284,23 @@ class BackwardTier:
             self._report_unpinned("backward", counts, record=record, reason="; ".join(
                 reasons) or "a re-run of the model's call and its backward made only finite "
                 "gradients (the call is not repeatable)")
-            return
-        p, counts = new[0]
-        self._report_unpinned("backward", counts, param=p,
-                              reason="; ".join(reasons) or "a re-run of the model's call and "
-                              "its backward made only finite gradients (the Inf/NaN comes "
-                              "from code outside the model's modules, e.g. a loss term that "
-                              "uses the parameter directly, or the call is not repeatable)")
+        else:
+            p, counts = new[0]
+            self._report_unpinned("backward", counts, param=p, reason="; ".join(reasons) or
+                                  "a re-run of the model's call and its backward made only "
+                                  "finite gradients (the Inf/NaN comes from code outside the "
+                                  "model's modules, e.g. a loss term that uses the parameter "
+                                  "directly, or the call is not repeatable)")
+        if len(self.violations) > n0:
+            for p, c in bad:    # what the step makes of them descends from this stop
+                self._taint_add(p.grad, c[0] > 0, c[1] + c[2] > 0, True)
+
+
+class _GradientChecks:
+    """What the checks right after a backward found (on the CPU) or hold (on a device)."""
+
+    __slots__ = ("loss_bflag", "bflag", "loss_slots", "grad_slots", "host_bad",
+                 "leaf_slots", "device")
 
 
 class _GradSentinel:
@@ -269,9 +331,10 @@ class _GradSentinel:
         if isinstance(grad, Tensor) \
                 and _SUM_DTYPE.get(grad.dtype, 0) != 0 and _checkable(grad):
             if not (grad.is_cpu and _HOST_READS):
-                # no sync here: read with the parameters' gradients
-                with torch.no_grad():  # our own sum: no autograd node (nor a detach op)
-                    t.device_grad_sums.append((grad.sum(dtype=_F32), self.record))
+                # no op here: held by the ledger, read with the parameters' gradients
+                if grad.numel():
+                    t.device_grad_slots.append((self.w._ledger.hold((grad,))[0],
+                                                self.record))
                 return None
             counts = _cpu_nonfinite_counts(grad)
             if counts is not None:
@@ -284,8 +347,9 @@ class _GradSentinel:
         if _SUM_DTYPE.get(grad.dtype, 0) == 0 or not _checkable(grad):
             return
         if not (grad.is_cpu and _HOST_READS):
-            with torch.no_grad():      # our own sum: no autograd node (nor a detach op)
-                t.device_loss_sums.append((grad.sum(dtype=_F32), self.call, self.pos))
+            if grad.numel():           # (kept by the call: held without a bound)
+                t.device_loss_slots.append((self.w._ledger.hold((grad,), alive=True)[0],
+                                            self.call, self.pos))
         elif t.loss_bflag is None:
             counts = _cpu_nonfinite_counts(grad)
             if counts is not None:

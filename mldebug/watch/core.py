@@ -4,10 +4,12 @@ optimizer hooks that say where an op runs, and the provenance that backward repo
 What a `Watch` does is spread over mixins, one per concern (each module says more):
   dispatch.py       the per-op check: `_Mode`, the TorchDispatchMode on every aten op
   verdict.py        the stop rule: an op's non-finite output -> `Violation` or not; reporting
-  device_window.py  outputs on CUDA: summed on the device, read once per window
+  step_ledger.py    every check of a tensor on a device (CUDA): held, reduced by a few
+                    fused ops and read once a window, or once a training step
+  device_window.py  the per-op check's outputs on a device: judged at the ledger's read
   module_tier.py    inside module calls: output sentinels, replay of a flagged call
   backward_tier.py  around `loss.backward()`: loss region, gradient sentinels, replay
-The optimizer step's tier is here, with its hooks (`_optimizer_pre` / `_check_step`).
+  optimizer_tier.py around `optimizer.step()`: the step read, parameters and state after
 
 By default the per-op check runs only outside module calls (data handling, the loss):
 inside them, in backward and in the optimizer step the mode is off the stack and cheaper
@@ -41,11 +43,13 @@ from . import tiers as _tiers
 from .amp import LossScaling
 from .backward_tier import BackwardTier
 from .compiled import CompiledBoundary
-from .checks import _ALLOWED, METADATA_KEY, _caller, _counts
+from .checks import _ALLOWED, METADATA_KEY, _caller
 from .context import ModuleNames
 from .device_window import DeviceWindow
 from .dispatch import _OP_INFOS, PerOpCheck, _Mode, _skip_dynamo
 from .module_tier import ModuleTier
+from .optimizer_tier import OptimizerTier
+from .step_ledger import DeviceReads, StepLedger
 from .tiers import TierState
 from .verdict import Verdict
 
@@ -95,7 +99,8 @@ def active_watch():
     return _ACTIVE
 
 
-class Watch(PerOpCheck, Verdict, DeviceWindow, ModuleTier, BackwardTier, CompiledBoundary):
+class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, BackwardTier,
+            OptimizerTier, CompiledBoundary):
     """A running numerics watch. Use as a context manager or call `close()`.
 
     `enabled` is True while it checks ops (started, not suspended, not in a worker
@@ -133,6 +138,9 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, ModuleTier, BackwardTier, Compile
         self._pending: list = []    # forward outputs waiting for their grad_fn
         self._stash: list = []      # violations found off the owner thread
         self._win: list = []        # device window entries
+        self._ledger = StepLedger() # device tensors waiting for their read (step_ledger.py)
+        self._step_grads: dict = {} # id(param) -> (counts, judged) of its non-finite
+                                    # gradient at the last step (device parameters)
         self._bwd_queued = False
         self._opt_depth = 0
         self._optimizer = None
@@ -211,6 +219,8 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, ModuleTier, BackwardTier, Compile
             self._open = self._t.open
             self._pending = []
             self._win = []
+            self._ledger = StepLedger()
+            self._step_grads = {}
             self._stash = []
             self._top = None
             self._opt_depth = 0
@@ -226,6 +236,8 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, ModuleTier, BackwardTier, Compile
             return
         if self._win:
             self._flush_window()
+        if self._ledger:
+            self._read_ledger()
         if self._stash:
             self._deliver_stash()
 
@@ -361,90 +373,6 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, ModuleTier, BackwardTier, Compile
             if self._win:
                 self._flush_window()
         return None
-
-    def _optimizer_pre(self, optimizer, args, kwargs):
-        if self._skip or _get_ident() != self._owner:
-            return None
-        if self._stash:
-            self._deliver_stash()
-        if self._win:
-            self._flush_window()
-        self._forget_calls()     # parameters change: earlier calls cannot be replayed
-        self._opt_depth += 1
-        self._optimizer = optimizer
-        self._opt_seen = True
-        t = self._t
-        if (not self.exact and self._opt_depth == 1 and not t.replaying
-                and len(args or ()) <= 1 and not (kwargs or {}).get("closure")):
-            # (args holds the optimizer itself; anything more is a closure)
-            # the step without the per-op check; parameters and state checked after it
-            # (a step with a closure runs the model inside: it keeps the exact check)
-            t.opt_popped = _tiers.pop_if_top(self._mode)
-        return self._closure_outside_step(args, kwargs)
-
-    def _closure_outside_step(self, args, kwargs):
-        """`optimizer.step(closure)` (LBFGS, Lightning's automatic optimization) runs the
-        forward and backward inside the step: the closure runs with the step's stage
-        lifted, so its ops are forward and backward, and only the update is optimizer.
-        Returns the step's (args, kwargs) with the closure wrapped, or None (no closure)."""
-        kwargs = kwargs or {}
-        closure = kwargs.get("closure")
-        positional = closure is None and len(args or ()) > 1 and callable(args[1])
-        if positional:
-            closure = args[1]          # (args[0] is the optimizer itself)
-        if closure is None or not callable(closure):
-            return None
-        watch = self
-
-        def closure_outside_the_step(*a, **k):
-            depth, watch._opt_depth = watch._opt_depth, 0
-            try:
-                return closure(*a, **k)
-            finally:
-                watch._opt_depth = depth
-
-        if positional:
-            return (args[0], closure_outside_the_step, *args[2:]), kwargs
-        return args, {**kwargs, "closure": closure_outside_the_step}
-
-    def _optimizer_post(self, optimizer, args, kwargs):
-        if self._skip or _get_ident() != self._owner:
-            return None
-        if self._win:
-            self._flush_window()
-        t = self._t
-        popped, t.opt_popped = t.opt_popped, False
-        try:
-            if popped:
-                self._check_step(optimizer)       # (with the mode still off: cheaper)
-        finally:
-            if popped:
-                _tiers.push(self._mode)
-            self._opt_depth = max(0, self._opt_depth - 1)
-            self._steps += 1
-        return None
-
-    def _check_step(self, optimizer):
-        """After an optimizer step run without the per-op check: one sum per parameter
-        and per state tensor, a single read; a non-finite one is reported by the
-        parameter's name, at the `optimizer.step()` line."""
-        tensors = _tiers.step_tensors(optimizer)
-        if not _tiers.any_nonfinite_sum([x for x, _, _, _ in tensors]):
-            return
-        reported = None
-        bad = []
-        for x, p, what, group in tensors:
-            c = _counts(x)
-            if sum(c) and self._taint_get(x) is None:
-                bad.append((x, p, what, group, c))
-        for x, p, what, group, c in bad:
-            v = self._judge_step(optimizer, x, p, what, group, c)
-            if v is not None and reported is None:
-                reported = v
-        for x, p, what, group, c in bad:
-            self._taint_add(x, c[0] > 0, c[1] + c[2] > 0, reported is not None)
-        if reported is not None:
-            self._report(reported)
 
     # -- provenance for backward -----------------------------------------------------
     def _provenance(self, info):

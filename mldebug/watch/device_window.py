@@ -1,14 +1,16 @@
-"""The device window: outputs on a non-CPU device (CUDA) are summed on the device without
-a sync, and the sums of many ops are read with one transfer (when the outermost module
-returns, at the end of backward, around the optimizer step, every WINDOW_MAX ops, at
-close()). A flagged op is then judged as the per-op check would have (verdict.py), with
-the inputs and outputs that are still alive.
+"""The device window: outputs of the per-op check (outside module calls: the loss, data
+handling) on a non-CPU device (CUDA) are held by the ledger without an op or a sync
+(step_ledger.py), and the window's judge is registered when it ends (the outermost module
+returns, backward ends, the optimizer steps, every WINDOW_MAX ops, close()); the ledger is
+read then, or at the training step's read. A flagged op is judged as the per-op check
+would have (verdict.py), with the inputs and outputs that are still alive.
 
 Mixed into `Watch` (core.py).
 """
 from __future__ import annotations
 
 import weakref
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -16,6 +18,7 @@ from torch import Tensor
 from ..core import frames as _frames
 from . import tiers as _tiers
 from .checks import _F32, METADATA_KEY, _caller, _isfinite
+from .step_ledger import first_bad
 
 _current_node = torch._C._current_autograd_node
 _USER = _frames._is_user_cache     # file name -> is user code (filled by is_user_file)
@@ -34,14 +37,15 @@ class DeviceWindow:
         ops); `flat`: the floating device tensors among them when already known."""
         if flat is None:
             flat = outs
-        sums = [t.sum(dtype=_F32) for t in flat]
-        total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
         if self._t.read_now:
             # a re-run or the loss region's dry run is there to pin the op: read now (a
             # sync per op, on these rare paths), while the op's inputs are alive to judge
+            sums = [t.sum(dtype=_F32) for t in flat]
+            total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
             if not _isfinite(total.item()):
                 self._slow(func, info, args, kwargs, outs, None)
             return
+        slots = self._ledger.hold(flat)      # no op here: reduced with the window
         node = _current_node()
         if node is not None:
             stage, node_name = "backward", node.name()
@@ -66,7 +70,7 @@ class DeviceWindow:
         if self._taint:
             prior = [k for k in map(self._taint_get, _tiers.flat_tensors((args, kwargs)))
                      if k is not None]
-        self._win.append((total, func, info, _weak(args), _weak(kwargs) if kwargs else None,
+        self._win.append((slots, func, info, _weak(args), _weak(kwargs) if kwargs else None,
                           _weak(outs), (stage, node_name, node_prov, self._top, here), prior,
                           flat[0].dtype))
         if len(self._win) >= WINDOW_MAX:
@@ -78,41 +82,44 @@ class DeviceWindow:
             self._flush_window()
 
     def _flush_window(self):
-        """Read the window's flags with one transfer; judge flagged ops in order.
+        """The window ends: its judge goes to the ledger, read now or at the training
+        step's read (step_ledger.py)."""
+        if self._win:
+            self._window_to_ledger()
+            self._read_or_defer(None)
 
-        Runs from hooks, where the mode is active: suspended, so that its own ops are
-        not watched."""
+    def _window_to_ledger(self):
         win, self._win = self._win, []
-        if not win:
-            return
+        self._ledger.then(partial(self._judge_window, win))
+
+    def _judge_window(self, win, values):
+        """A judge of the ledger: the window's flagged ops, in order, judged as the
+        per-op check would have. Runs from hooks, where the mode may be active:
+        suspended, so that its own ops are not watched."""
         self._suspend += 1
         self._update_skip()
         try:
-            self._judge_window(win)
+            self._judge_flagged_ops(win, values)
         finally:
             self._suspend -= 1
             self._update_skip()
 
-    def _judge_window(self, win):
-        try:
-            flags = torch.isfinite(torch.stack([e[0] for e in win]))
-            if bool(flags.all()):          # the one sync of the window
-                return
-            flagged = (~flags).nonzero().flatten().tolist()
-        except Exception:                  # mixed devices: one read per entry
-            flagged = [i for i, e in enumerate(win) if not _isfinite(float(e[0]))]
+    def _judge_flagged_ops(self, win, values):
         n0 = len(self.violations)
-        for k, i in enumerate(flagged):
-            total, func, info, wargs, wkwargs, wouts, entry, prior, dtype = win[i]
+        k = 0
+        for slots, func, info, wargs, wkwargs, wouts, entry, prior, dtype in win:
+            value = first_bad(values, slots)
+            if value is None:
+                continue
             args = _live(wargs)
             kwargs = _live(wkwargs) if wkwargs else {}
             outs = _live(wouts)
             note = ""
             if not any(t is not None for t, _ in self._flatten_outputs(outs)):
-                # freed before the window was read: judge its sum instead (counts are
-                # then those of the sum, and an overflowing sum cannot be told apart)
-                outs = (total,)
-                note = "the output was freed before the window was read: judged by its sum"
+                # freed before the window was read: judged by its norm instead (counts
+                # are then those of the norm)
+                outs = (torch.tensor(value),)
+                note = "the output was freed before the window was read: judged by its norm"
             else:
                 dtype = None
             freed = None
@@ -125,6 +132,7 @@ class DeviceWindow:
                              any(p[2] for p in prior))
                 elif k:
                     freed = (True, True, len(self.violations) > n0)
+            k += 1
             self._slow(func, info, args, kwargs, outs, entry, note, freed, dtype)
 
 

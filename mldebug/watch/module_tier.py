@@ -8,8 +8,8 @@ Mixed into `Watch` (core.py), called from its module hooks.
 """
 from __future__ import annotations
 
-import math
 import weakref
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -18,17 +18,13 @@ from ..core.errors import NonFiniteError
 from . import safe as _safe
 from . import tiers as _tiers
 from .backward_tier import _GradSentinel
-from .checks import (_F32, _SUM_DTYPE, _caller, _checkable, _counts, _floating,
+from .checks import (_SUM_DTYPE, _caller, _checkable, _counts, _floating,
                      _grad_enabled, _isfinite)
 from .tiers import RootCall, flat_tensors
 from .native_check import nonfinite as _native_nonfinite
+from .step_ledger import counts_of
 
 _HOST_READS = True      # False while tests run the device paths on the CPU
-# device outputs wait for their check in groups: one `_foreach_norm` launch a group (on a
-# GPU a launch costs ~5-10 us of CPU time, what a launch-bound step pays for every op), and
-# a group holds its outputs alive until it is reduced, so it is kept small
-_GROUP = 64
-_GROUP_BYTES = 64 << 20
 
 
 class ModuleTier:
@@ -66,10 +62,9 @@ class ModuleTier:
                 if bad and t.flag is None:
                     self._sentinel_flag(out, record)
             elif out.numel():                      # (an empty tensor holds nothing)
-                t.device_pending.append((out, record))
-                t.device_pending_bytes += out.numel() * out.element_size()
-                if len(t.device_pending) >= _GROUP or t.device_pending_bytes >= _GROUP_BYTES:
-                    self._reduce_device_outputs()
+                # no op here: held by the ledger, checked with the rest of the window
+                t.device_outputs.append((self._ledger.hold((out,))[0],
+                                         weakref.ref(out), record))
         if outs:
             t.last_out = outs[-1]
             t.last_sentinels = sentinels
@@ -80,47 +75,21 @@ class ModuleTier:
         if sum(counts):             # (else: a finite sum that overflowed)
             self._t.flag = (record, counts)
 
-    def _reduce_device_outputs(self):
-        """The pending device outputs' max |x|, kept on the device: one `_foreach_norm`
-        (infinity norm: a NaN/Inf survives it and finite values never overflow it) and one
-        stack per device and dtype; the outputs themselves are let go."""
+    def _flag_outputs(self, entries, values):
+        """A judge of the ledger: flag the first of ENTRIES [(slot, weakref(output),
+        record)] whose output is not finite (exact counts while it is alive)."""
         t = self._t
-        pending, t.device_pending, t.device_pending_bytes = t.device_pending, [], 0
-        groups: dict = {}
-        for out, record in pending:
-            groups.setdefault((out.device, out.dtype), []).append((out, record))
-        with torch.no_grad():         # our own reduction: no autograd node
-            for items in groups.values():
-                outs = [out for out, _ in items]
-                try:
-                    norms = torch.stack(torch._foreach_norm(outs, math.inf))
-                except (RuntimeError, TypeError):   # an older torch: one reduction each
-                    norms = torch.stack([out.abs().amax() for out in outs])
-                if norms.dtype != _F32:   # (a float64 overflow to Inf: a recount clears it)
-                    norms = norms.to(_F32)
-                t.device_sums.append((norms, [(weakref.ref(out), record)
-                                              for out, record in items]))
-
-    def _flush_device_sums(self):
-        t = self._t
-        if t.device_pending:
-            self._reduce_device_outputs()
-        sums, t.device_sums = t.device_sums, []
-        entries = [entry for _, group in sums for entry in group]
-        try:
-            flags = torch.isfinite(sums[0][0] if len(sums) == 1
-                                   else torch.cat([norms for norms, _ in sums]))
-            if bool(flags.all()):     # the one sync of the outermost call
+        for slot, ref, record in entries:
+            if t.flag is not None:
                 return
-            flagged = (~flags).nonzero().flatten().tolist()
-        except RuntimeError:          # several devices: one read per group
-            values = [v for norms, _ in sums for v in norms.tolist()]
-            flagged = [i for i, v in enumerate(values) if not _isfinite(v)]
-        for i in flagged:
-            ref, record = entries[i]
+            value = values.get(slot, 0.0)
+            if _isfinite(value):
+                continue
             out = ref()
-            if out is not None and t.flag is None:
+            if out is not None:
                 self._sentinel_flag(out, record)
+            else:
+                t.flag = (record, counts_of(value))
 
     def _flagged_call(self, module, args, output, record):
         """A sentinel flagged this call's output (or a call inside it deferred to it).
@@ -153,9 +122,12 @@ class ModuleTier:
         sentinel flagged it; remember it for a backward replay if its output needs a
         gradient."""
         t = self._t
-        if t.device_sums or t.device_pending:
-            with self._own_ops():
-                self._flush_device_sums()
+        entries, t.device_outputs = t.device_outputs, []
+        defer = bool(entries) and output is not None and t.start_rng is not None \
+            and self._can_defer() and _grad_enabled() \
+            and any(o.requires_grad for o in flat_tensors(output))
+        if entries and not defer:
+            self._read_or_defer(partial(self._flag_outputs, entries), defer=False)
         flag, t.flag = t.flag, None
         rng, t.start_rng = t.start_rng, None
         sentinels, t.last_sentinels = t.last_sentinels, []
@@ -192,6 +164,34 @@ class ModuleTier:
                 t.open[id(o)] = (call, pos)
         if len(t.calls) > _tiers.MAX_CALLS:
             self._forget_calls(t.calls[:1])
+        if defer:
+            # judged at the training step's read (step_ledger.py), re-run from `call`
+            self._read_or_defer(partial(self._judge_deferred_call, call, entries,
+                                        [weakref.ref(o) for o in outs]))
+
+    def _judge_deferred_call(self, call, entries, out_refs, values):
+        """A judge of the ledger: an outermost call read after it returned (at the
+        training step's read), done as `_root_end` does it, from what `call` kept."""
+        t = self._t
+        flag, done = t.flag, t.done
+        t.flag, t.done = None, False
+        try:
+            self._flag_outputs(entries, values)
+            if t.flag is None:
+                return
+            (_, counts), t.flag = t.flag, None
+            module = call.module
+            outs = [o for o in (r() for r in out_refs) if o is not None]
+            key = (id(module), tuple(c > 0 for c in counts))
+            if key in t.fruitless:
+                self._taint_outputs(outs, t.fruitless[key])
+                return
+            self._replay_forward(module, call.args, call.kwargs,
+                                 (call.cpu_rng, call.cuda_rng), outs, (module, None),
+                                 counts, key, autocast=call.autocast)
+            call.lineage = call.lineage or t.done
+        finally:
+            t.flag, t.done = flag, done
 
     def _forget_calls(self, calls=None):
         t = self._t
@@ -262,13 +262,15 @@ class ModuleTier:
             t.read_now -= 1
             self._pending = []
 
-    def _replay_forward(self, module, args, kwargs, rng, output, record, counts, key):
+    def _replay_forward(self, module, args, kwargs, rng, output, record, counts, key,
+                        autocast=None):
         t = self._t
         n0, j0 = len(self.violations), self._judged
         reason = ""
+        if autocast is None:
+            autocast = _tiers.autocast_state()
         try:
-            reason = self._replay(module, args, kwargs, rng, _tiers.autocast_state(),
-                                  record=record)
+            reason = self._replay(module, args, kwargs, rng, autocast, record=record)
         finally:
             stopped = len(self.violations) > n0
             lineage = stopped or t.replay_lineage

@@ -207,17 +207,15 @@ class TierState:
         self.last_sentinels: list = []   # grad sentinels of the last call's outputs
         self.loss_bflag = None       # (RootCall, position, counts): a model output's
                                      # gradient made non-finite by an unchecked loss region
-        self.device_loss_sums: list = []  # (sum on device, RootCall, position) of those
-        self.device_sums: list = []  # (max |x| of device outputs on the device, as one
-                                     # float32 vector; [(weakref(output), module record)])
-        self.device_pending: list = []   # (output, module record) not yet reduced
-        self.device_pending_bytes = 0
+        self.device_loss_slots: list = []  # (ledger slot, RootCall, position) of those
+        self.device_outputs: list = []   # (ledger slot, weakref(output), module record)
+                                         # of this outermost call's device outputs
         self.calls: list = []        # RootCall, oldest first
         self.open: dict = {}         # id(output tensor) -> (RootCall, position)
         self.fruitless: dict = {}    # flag pattern -> True: its replay found no stop
         self.judged_grads: set = set()   # id(param) whose non-finite grad was judged
         self.bflag = None            # (module record, counts): first bad output gradient
-        self.device_grad_sums: list = []  # (sum on device, record) of output gradients
+        self.device_grad_slots: list = []  # (ledger slot, record) of output gradients
         self.opt_popped = False      # the optimizer step runs without the exact mode
         self.replay_lineage = False  # the last re-run's outputs descend from a stop
         self.recomputing: list = []  # modules whose forward runs again inside backward
@@ -276,6 +274,18 @@ def step_tensors(optimizer) -> list:
     return out
 
 
+def step_grads(optimizer) -> list:
+    """[(param, its gradient)] of the floating, strided gradients a step will use."""
+    out = []
+    for group in getattr(optimizer, "param_groups", ()):
+        for p in group.get("params", ()):
+            g = getattr(p, "grad", None) if isinstance(p, Tensor) else None
+            if g is not None and g.is_floating_point() and g.layout is torch.strided \
+                    and not g.is_meta:
+                out.append((p, g))
+    return out
+
+
 _OWN_SUM = (torch.float32, torch.float64)    # summed in their own dtype (no copy)
 
 
@@ -319,21 +329,6 @@ def device_total(xs):
     return torch.stack([x.sum(dtype=_F32) for x in xs]).sum()
 
 
-def first_nonfinite_sum(sums):
-    """(record, counts) of the first non-finite (sum, record) pair, read with one
-    transfer; counts are those of the sum (1 NaN / 1 +Inf / 1 -Inf): the tensor itself
-    is gone by then. None when all are finite."""
-    try:
-        values = torch.stack([s for s, _ in sums]).tolist()
-    except RuntimeError:   # several devices: one read each
-        values = [float(s) for s, _ in sums]
-    for value, (_, record) in zip(values, sums):
-        if not math.isfinite(value):
-            counts = (1, 0, 0) if value != value else (0, 1, 0) if value > 0 else (0, 0, 1)
-            return record, counts
-    return None
-
-
 def grad_inputs(module, args, checked_only=False) -> list:
     """What a replayed backward differentiates with respect to: the module's parameters
     and the leaf tensors among its arguments that need a gradient. CHECKED_ONLY: those
@@ -351,12 +346,19 @@ def grad_inputs(module, args, checked_only=False) -> list:
     return inputs
 
 
-def nonfinite_grads(tensors) -> bool:
-    """True when any gradient among TENSORS' `.grad` may be non-finite (an overflowing sum
-    of finite values is sorted out by the caller); `any_nonfinite_sum` checks them."""
+def floating_grads(tensors) -> list:
+    """The floating, strided `.grad`s of TENSORS."""
     grads = []
     for t in tensors:
         g = t.grad
         if g is not None and g.is_floating_point() and g.layout is torch.strided:
             grads.append(g)
-    return any_nonfinite_sum(grads)
+    return grads
+
+
+def split_by_device(tensors) -> tuple[list, list]:
+    """(those checked on the host now: CPU tensors, those a device's read checks)."""
+    host, device = [], []
+    for x in tensors:
+        (host if x.is_cpu and _HOST_READS else device).append(x)
+    return host, device

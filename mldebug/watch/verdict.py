@@ -33,6 +33,9 @@ _current_node = torch._C._current_autograd_node
 _get_ident = threading.get_ident
 
 
+LIVE_GRAD = object()   # _judge_step: the step's gradient is the parameter's `.grad` now
+
+
 class Verdict:
     """Methods of `Watch`: the stop rule and the report (state in `Watch`)."""
 
@@ -141,6 +144,18 @@ class Verdict:
     def _prune_taint(self) -> None:
         """Drop the records of non-finite tensors whose memory is gone."""
         self._taint = {k: r for k, r in self._taint.items() if r[0]() is not None}
+
+    def _taint_of_storage(self, t):
+        """(has_nan, has_inf, lineage) judged of `t`'s memory at any earlier version."""
+        if not self._taint:
+            return None
+        try:
+            rec = self._taint.get(t.untyped_storage().data_ptr())
+        except Exception:
+            return None
+        if rec is None or rec[0]() is None:
+            return None
+        return rec[2:]
 
     def _no_live_taint(self) -> bool:
         """Whether no non-finite tensor judged so far is still alive (dead ones dropped)."""
@@ -306,17 +321,26 @@ class Verdict:
             v.file, v.line, v.function = _frames.location(entry)
 
     # -- the tiers' verdicts ----------------------------------------------------------
-    def _judge_step(self, optimizer, x, p, what, group, counts):
-        """The stop rule for a parameter (or its state) that the step left non-finite."""
+    def _judge_step(self, optimizer, x, p, what, group, counts, grad=LIVE_GRAD, where=None):
+        """The stop rule for a parameter (or its state) that the step left non-finite.
+        GRAD: LIVE_GRAD while the step's gradient is `p.grad`; read later (a device's
+        step read), what the read before the step found of it ((counts, judged, from a
+        stop) or None: finite). WHERE: (file, line, function) of the step when it is not the frame's."""
         nan, posinf, neginf = counts
         kind = "nan" if nan else "inf"
-        grad = p.grad
-        grad_counts = _counts(grad) if isinstance(grad, Tensor) and _floating(grad) else (0, 0, 0)
+        if grad is LIVE_GRAD:
+            grad = p.grad
+            grad_counts = _counts(grad) if isinstance(grad, Tensor) and _floating(grad) \
+                else (0, 0, 0)
+            judged = bool(sum(grad_counts)) and self._taint_get(grad) is not None
+        else:
+            grad_counts, judged = grad[:2] if grad is not None else ((0, 0, 0), False)
+            grad = ("non-finite" if sum(grad_counts) else "finite") + \
+                " (read before the step; gone since)"
         created = not sum(grad_counts)
         unjudged = False
         if not created:
-            known = self._taint_get(grad)
-            if known is not None:
+            if judged:
                 return None                 # it flows on from a gradient already judged
             # a gradient no check judged: made by the backward of layers whose gradients
             # are not checked one by one (safe.params_to_check: only an overflow makes
@@ -347,9 +371,10 @@ class Verdict:
             text = (f"{whose} became non-finite in {step_name}() ({hyper}); the op inside "
                     "step() is not pinned (`--watch exact` pins it)")
         frame = _frames.user_frame(_caller(3))
-        file, line, function = _frames.location(frame)
+        file, line, function = where or _frames.location(frame)
         with self._own_ops():
-            inputs = [("gradient", _summary(grad) if isinstance(grad, Tensor) else repr(grad))]
+            inputs = [("gradient", _summary(grad) if isinstance(grad, Tensor) else
+                       grad if isinstance(grad, str) else repr(grad))]
             output = _summary(x)
         return Violation(
             kind=kind, op="", torch_op=step_name, module=module, module_type=module_type,

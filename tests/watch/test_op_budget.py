@@ -20,12 +20,19 @@ import bench_watch  # noqa: E402
 from opcount import count_step  # noqa: E402
 
 
-def counts(name, watched):
+def counts(name, watched, on_a_device=False):
+    """(aten ops, host reads) of one healthy training step. ON_A_DEVICE: the watch takes
+    its GPU path, the CPU standing in for the device (core.simulate_device)."""
+    from mldebug.watch import core
     torch.manual_seed(0)
     model, loss_fn, opt = bench_watch.MODELS[name]("cpu")
     ctx = mldebug.watch(action="raise") if watched else bench_watch.Plain()
-    with ctx:
-        ops, reads = count_step(lambda: bench_watch.step(model, loss_fn, opt))
+    core.simulate_device(on_a_device)
+    try:
+        with ctx:
+            ops, reads = count_step(lambda: bench_watch.step(model, loss_fn, opt))
+    finally:
+        core.simulate_device(False)
     return sum(ops.values()), reads
 
 
@@ -37,6 +44,17 @@ def test_the_watch_adds_at_most_a_tenth_of_the_steps_ops_and_no_host_read(name):
     ops, reads = counts(name, watched=True)
     assert ops - plain_ops <= 0.10 * plain_ops, (name, plain_ops, ops)
     assert reads == plain_reads, (name, plain_reads, reads)
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt"])
+def test_on_a_device_a_step_adds_at_most_a_tenth_of_its_ops_and_one_host_read(name):
+    """On a GPU every op is a launch and every read a sync: the step's checks wait in the
+    ledger (watch/step_ledger.py) and are reduced by one `_foreach_norm` per dtype, one
+    stack, one amax and read once, at `opt.step()` (the MLP's whole budget is 4 ops)."""
+    plain_ops, plain_reads = counts(name, watched=False)
+    ops, reads = counts(name, watched=True, on_a_device=True)
+    assert ops - plain_ops <= 0.10 * plain_ops, (name, plain_ops, ops)
+    assert reads - plain_reads == 1, (name, plain_reads, reads)
 
 
 def test_the_count_sees_the_torch_path_it_replaces(monkeypatch):

@@ -1,0 +1,200 @@
+"""The device ledger: every NaN/Inf check of a tensor on a device (a GPU) goes through it,
+and one read answers all of them (issue 22).
+
+On a GPU each op is a kernel launch (~5-10 us of CPU time, what a launch-bound step pays
+in full) and each read of a value on the host is a sync. So a device check is not a
+reduction and a read of its own: the tensor is *held* here, and a window of the watch
+(an outermost module call, the loss region, backward, the optimizer step) registers what
+to do should one of its tensors turn out non-finite (its *judge*). A read reduces what is
+held with one `_foreach_norm` per device and dtype (the infinity norm: a NaN or an Inf
+survives it, finite values never overflow it), one `stack`, one `amax` and one `.item()`.
+Only when that one value is not finite are the norms read one by one and the judges run,
+oldest first, each doing what its window would have done had it been read at once.
+
+When a read happens is the watch's choice (`Watch._read_or_defer`): at the end of each
+window while it cannot defer, else once a training step, at the optimizer's step (before
+it changes the parameters, so a re-run still computes what the step computed): the
+forward, the loss region and backward of step k and what the update of step k-1 wrote are
+then checked by one read. Temporaries are held at most _GROUP tensors / _GROUP_BYTES at a
+time (beyond that they are reduced at once and let go), so holding them changes a
+program's memory by at most that much; parameters, gradients and optimizer state live on
+anyway and are held without a bound.
+"""
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+
+_F32 = torch.float32
+_GROUP = 64
+_GROUP_BYTES = 64 << 20
+
+
+class StepLedger:
+    """Device tensors waiting for their check, by slot, and the judges to run on a bad one."""
+
+    __slots__ = ("_held", "_held_bytes", "_kept", "_kept_ids", "_norms", "_slots",
+                 "_judges", "_late", "_lock", "slots", "backwards")
+
+    def __init__(self):
+        self._held: list = []      # temporaries: (tensor, slot), bounded
+        self._held_bytes = 0
+        self._kept: list = []      # tensors that live on anyway: (tensor, slot)
+        self._kept_ids: dict = {}  # id(tensor) -> slot, of those
+        self._norms: list = []     # 0-d float32 norms on the device, of reduced tensors
+        self._slots: list = []     # their slots
+        self._judges: list = []    # (judge, always): judge(values) at the read
+        self._late: dict = {}      # slot -> non-finite value found by the last read
+        self.slots = 0             # slots handed out (never reused)
+        self.backwards = 0         # judges of backwards among the judges
+        self._lock = threading.Lock()
+
+    def __bool__(self) -> bool:
+        return bool(self._judges)
+
+    def holds_tensors(self) -> bool:
+        return bool(self._held or self._kept or self._norms)
+
+    def hold(self, tensors, alive: bool = False) -> list:
+        """Slots for TENSORS (floating, strided, on a device), checked at the next read.
+        ALIVE: they live on anyway (parameters, gradients, state): no bound applies, and
+        one held already keeps its slot (a gradient that two windows check is read once)."""
+        with self._lock:            # (backward runs on one thread per device)
+            return self._hold(tensors, alive)
+
+    def _hold(self, tensors, alive):
+        slots = []
+        for x in tensors:
+            if alive:
+                slot = self._kept_ids.get(id(x))
+                if slot is None:
+                    slot = self.slots
+                    self.slots += 1
+                    if x.numel():   # (held, so its id is not reused before the read)
+                        self._kept_ids[id(x)] = slot
+                        self._kept.append((x, slot))
+                slots.append(slot)
+                continue
+            if x.numel():           # (an empty tensor holds nothing: its slot stays finite)
+                self._held.append((x, self.slots))
+                self._held_bytes += x.numel() * x.element_size()
+            slots.append(self.slots)
+            self.slots += 1
+        if len(self._held) >= _GROUP or self._held_bytes >= _GROUP_BYTES:
+            held, self._held, self._held_bytes = self._held, [], 0
+            self._reduce(held)
+        return slots
+
+    def then(self, judge, always: bool = False) -> None:
+        """Run JUDGE(values) at the read when a slot held so far is not finite (ALWAYS:
+        also when all are, with values None). values: slot -> float."""
+        self._judges.append((judge, always))
+
+    def _reduce(self, items) -> None:
+        groups: dict = {}
+        for x, slot in items:
+            group = groups.get((x.device, x.dtype))
+            if group is None:
+                group = groups[(x.device, x.dtype)] = ([], [])
+            group[0].append(x)
+            group[1].append(slot)
+        with torch.no_grad():         # our own reduction: no autograd node
+            for xs, slots in groups.values():
+                try:
+                    norms = torch._foreach_norm(xs, math.inf, dtype=_F32)
+                except (RuntimeError, TypeError):   # an older torch: one reduction each
+                    norms = [x.abs().amax().to(_F32) for x in xs]
+                self._norms.extend(norms)
+                self._slots.extend(slots)
+
+    def take(self):
+        """The read: (values, judges, held), the ledger emptied. values is None when every
+        tensor held was finite (one transfer), else slot -> float (one more); held keeps
+        the tensors alive while the judges run."""
+        items = self._held + self._kept
+        self._held, self._kept, self._held_bytes = [], [], 0
+        self._kept_ids = {}
+        if items:
+            self._reduce(items)
+        norms, slots, judges = self._norms, self._slots, self._judges
+        self._norms, self._slots, self._judges = [], [], []
+        self.backwards = 0
+        values = None
+        if norms:
+            with torch.no_grad():
+                try:
+                    vector = torch.stack(norms)
+                    # the one sync (amax keeps a NaN; norms are never negative)
+                    if not math.isfinite(vector.amax().item()):
+                        values = vector.tolist()
+                except RuntimeError:  # several devices: one read each
+                    values = [float(n) for n in norms]
+                    if all(math.isfinite(v) for v in values):
+                        values = None
+        # a judge may come after the read of its tensors (held while its window was
+        # still open): what was not finite waits one read for it
+        late = self._late
+        self._late = {} if values is None else {
+            slot: v for slot, v in zip(slots, values) if not math.isfinite(v)}
+        if not late and not self._late:
+            return None, judges, ()
+        return {**late, **self._late}, judges, items
+
+
+def first_bad(values, slots) -> float | None:
+    """The first non-finite value among SLOTS (a range or list), or None."""
+    if values is None:
+        return None
+    for slot in slots:
+        v = values.get(slot, 0.0)
+        if not math.isfinite(v):
+            return v
+    return None
+
+
+def counts_of(value: float) -> tuple[int, int, int]:
+    """(nan, +inf, -inf) that a non-finite norm stands for when its tensor is gone."""
+    return (1, 0, 0) if value != value else (0, 1, 0)
+
+
+class DeviceReads:
+    """Methods of `Watch` that decide when the ledger (`Watch._ledger`) is read."""
+
+    def _can_defer(self) -> bool:
+        """Whether a window's judge may wait for the training step's read: once an
+        optimizer step was seen (so one will come, before the parameters change), not in
+        a re-run or a dry run (they read op by op), not under a loss scaler (it skips
+        steps), not with `exact`."""
+        t = self._t
+        return (self._opt_seen and not self.exact and not t.read_now and not t.replaying
+                and not self._amp.active and not self._skip)
+
+    def _read_or_defer(self, judge, always=False, defer=None) -> None:
+        """Register JUDGE for what the ledger holds; read now unless it may wait."""
+        ledger = self._ledger
+        if self._win:            # the per-op window's ops came first: their judge too
+            self._window_to_ledger()
+        if judge is not None:
+            ledger.then(judge, always)
+        if defer is None:
+            defer = self._can_defer()
+        if defer and ledger.holds_tensors():
+            return
+        self._read_ledger()
+
+    def _read_ledger(self) -> None:
+        """The read: one transfer; the judges run when it shows a NaN/Inf (and those
+        that always run, run anyway), oldest first."""
+        ledger = self._ledger
+        if self._win:            # (what the ledger holds of it is read now: judged too)
+            self._window_to_ledger()
+        if not ledger:
+            return
+        with self._own_ops():
+            values, judges, held = ledger.take()
+        for judge, always in judges:
+            if values is not None or always:
+                judge(values)
+        del held

@@ -1,0 +1,247 @@
+"""The device ledger (mldebug/watch/step_ledger.py): on a device every check of a training
+step waits for one read at `optimizer.step()`, and what that read finds is judged as the
+window that made it would have judged it at once.
+
+Each test trains a few healthy steps first (from the second step on, the checks wait for
+the step's read), makes a NaN/Inf at a later step, and asserts the stop the host path makes
+at once: the same op, module, line, stage and step, and no second stop after it. The
+`device` fixture runs each on the CPU (host path: no ledger), on the CPU taking the device
+path (what CI can run of it) and on CUDA where there is one.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mldebug.core.errors import NonFiniteError
+from mldebug.watch import watch
+
+from test_watch_tiers import lineno
+
+BAD_STEP = 3
+
+
+class Gate(nn.Module):
+    """Its own forward code makes a NaN at step BAD_STEP (sqrt of a negative), else
+    nothing: a forward stop inside the model."""
+
+    def __init__(self):
+        super().__init__()
+        self.step = 0
+
+    def forward(self, x):
+        if self.step == BAD_STEP:
+            x = torch.sqrt(x - 1e6)  # here
+        return x
+
+
+class RootAtMin(nn.Module):
+    """sqrt(x - min(x)) at step BAD_STEP: finite forward, an infinite derivative at the
+    minimum: a backward stop."""
+
+    def __init__(self):
+        super().__init__()
+        self.step = 0
+
+    def forward(self, x):
+        if self.step == BAD_STEP:
+            return torch.sqrt(x - x.detach().amin())  # here
+        return x
+
+
+def train(device, model, make_loss=None, opt_cls=torch.optim.SGD, steps=5, action="break",
+          hook=None, **opt_kwargs):
+    torch.manual_seed(0)
+    model = model.to(device)
+    opt = opt_cls(model.parameters(), **(opt_kwargs or {"lr": 0.01}))
+    x = torch.randn(16, 8, device=device)
+    y = torch.randint(0, 4, (16,), device=device)
+    make_loss = make_loss or (lambda out, step: F.cross_entropy(out, y))
+    got = []
+    with watch(on_violation=got.append, action=action) as w:
+        for step in range(steps):
+            for m in model.modules():
+                if hasattr(m, "step"):
+                    m.step = step
+            opt.zero_grad()
+            loss = make_loss(model(x), step)
+            loss.backward()
+            if hook is not None:
+                hook(step, model)
+            opt.step()  # step
+    return got, model, w
+
+
+def on_host(device) -> bool:
+    from mldebug.watch import tiers
+    return device == "cpu" and tiers._HOST_READS
+
+
+def mlp(*middle):
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), *middle, nn.Linear(16, 4))
+
+
+def stops(got):
+    return [(v.stage, v.op, v.module, v.line, v.step) for v in got]
+
+
+def test_a_forward_nan_at_a_later_step_is_pinned_to_its_op(device):
+    got, model, _ = train(device, mlp(Gate()))
+    assert stops(got) == [("forward", "aten.sqrt.default", "2", lineno(Gate.forward),
+                           BAD_STEP)]
+    assert got[0].frame.f_code is Gate.forward.__code__     # paused in the replay, there
+    assert bool(model[0].weight.isnan().any())              # (`c`: the step went on)
+
+
+def test_a_nan_in_the_loss_region_at_a_later_step_is_pinned_to_its_op(device):
+    def loss(out, step):
+        return torch.log(out.pow(2).mean() - (1e6 if step == BAD_STEP else 0))  # here
+
+    got, _, _ = train(device, mlp(), make_loss=loss)
+    assert stops(got) == [("forward", "aten.log.default", "", lineno(
+        test_a_nan_in_the_loss_region_at_a_later_step_is_pinned_to_its_op), BAD_STEP)]
+
+
+def test_an_infinite_derivative_at_a_later_step_is_pinned_to_its_backward_op(device):
+    got, _, _ = train(device, mlp(RootAtMin()))
+    assert [(v.stage, v.node, v.module, v.line, v.step) for v in got] == [
+        ("backward", "SqrtBackward0", "2", lineno(RootAtMin.forward), BAD_STEP)]
+
+
+def test_an_optimizer_state_that_overflows_at_a_later_step_names_its_step_and_line(device):
+    """Adam's exp_avg_sq overflows at step BAD_STEP (a gradient of 1e25): on a device
+    the update is read with the next step's read; the stop still names that step and the
+    `opt.step()` line, and the gradient as it was before the update (finite)."""
+    def scale(step, model):
+        if step == BAD_STEP:
+            with torch.no_grad():
+                model[0].weight.grad.fill_(1e25)
+
+    got, _, _ = train(device, mlp(), opt_cls=torch.optim.Adam, hook=scale, lr=0.1)
+    assert [(v.stage, v.torch_op, v.param, v.created, v.step, v.line) for v in got] == [
+        ("optimizer", "Adam.step", "0.weight", True, BAD_STEP, lineno(train, "# step"))]
+    assert "exp_avg_sq" in got[0].text
+
+
+class RootWhen(nn.Module):
+    """Linear, tanh, then sqrt(x - min(x)) when called with bad=True (an infinite
+    derivative at the minimum), then Linear: the bad call is told by its arguments, so a
+    re-run of it at a later read is bad again."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin1, self.lin2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x, bad=False):
+        h = torch.tanh(self.lin1(x))
+        if bad:
+            h = torch.sqrt(h - h.detach().amin())  # here
+        return self.lin2(h)
+
+
+def test_accumulated_backwards_are_read_before_the_next_and_pinned(device):
+    """Two backwards a step (gradient accumulation): the first one's judge is read
+    when the second starts (it keeps its gradients), and its stop is pinned."""
+    torch.manual_seed(0)
+    model = RootWhen().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(16, 8, device=device)
+    got = []
+    with watch(on_violation=got.append) as w:
+        for step in range(5):
+            for micro in range(2):
+                model(x, bad=(step, micro) == (BAD_STEP, 0)).pow(2).mean().backward()
+                if step == 1 and micro == 0:     # (the host path holds nothing)
+                    assert w._ledger.backwards == (0 if on_host(device) else 1)
+            opt.step()
+            opt.zero_grad()
+    assert [(v.stage, v.node, v.line, v.step) for v in got] == [
+        ("backward", "SqrtBackward0", lineno(RootWhen.forward), BAD_STEP)]
+
+
+def test_an_eval_forward_between_steps_is_read_at_its_end(device):
+    """A forward under no_grad (evaluation) has no step read to wait for: read when it
+    returns, after what the training step left waiting."""
+    torch.manual_seed(0)
+    model = mlp().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(16, 8, device=device)
+    got = []
+    with watch(on_violation=got.append):
+        for step in range(3):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            model(x * float("nan"))
+            assert [(v.stage, v.op) for v in got] == [("forward", "aten.mul.Tensor")]
+
+
+def test_raise_at_the_step_read_leaves_the_parameters_as_they_were(device):
+    """action='raise': the stop is raised from `opt.step()` before the update, so the
+    bad gradients never reach the parameters."""
+    before = {}
+
+    def keep(step, model):
+        if step == BAD_STEP:
+            before.update({k: v.detach().clone() for k, v in model.state_dict().items()})
+
+    with pytest.raises(NonFiniteError) as err:
+        train(device, mlp(RootAtMin()), action="raise", hook=keep)
+    assert err.value.violation.node == "SqrtBackward0"
+    assert err.value.violation.step == BAD_STEP
+
+
+def test_a_healthy_run_trains_bitwise_the_same(device):
+    torch.manual_seed(0)
+    plain = mlp(nn.Dropout(0.2), nn.LayerNorm(16)).to(device)
+    watched = mlp(nn.Dropout(0.2), nn.LayerNorm(16)).to(device)
+    watched.load_state_dict(plain.state_dict())
+    x = torch.randn(16, 8, device=device)
+    for model, on in ((plain, False), (watched, True)):
+        torch.manual_seed(1)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        w = watch(action="raise")
+        if not on:
+            w.close()
+        with w:
+            for _ in range(4):
+                opt.zero_grad()
+                model(x).pow(2).mean().backward()
+                opt.step()
+    for a, b in zip(plain.parameters(), watched.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_on_a_device_a_healthy_step_is_read_once():
+    """The count that does not depend on the machine: on the device path (the CPU
+    standing in), a healthy training step reads the host once, at `opt.step()`."""
+    from mldebug.watch import core, step_ledger
+    reads = []
+    real = step_ledger.StepLedger.take
+
+    def take(self):
+        reads.append(bool(self.holds_tensors()))
+        return real(self)
+
+    core.simulate_device(True)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(step_ledger.StepLedger, "take", take)
+            torch.manual_seed(0)
+            model = mlp(nn.LayerNorm(16))
+            opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+            x = torch.randn(16, 8)
+            with watch(action="raise"):
+                for step in range(4):
+                    opt.zero_grad()
+                    F.cross_entropy(model(x), torch.zeros(16, dtype=torch.long)).backward()
+                    if step == 3:
+                        reads.clear()
+                    opt.step()
+                reads_at_step = list(reads)
+    finally:
+        core.simulate_device(False)
+    assert reads_at_step == [True]
