@@ -123,9 +123,11 @@ class ModuleTier:
         gradient."""
         t = self._t
         entries, t.device_outputs = t.device_outputs, []
+        # a training forward waits for its step's read (a call that raised, one without
+        # a gradient, or a 5th call before a step: read now)
         defer = bool(entries) and output is not None and t.start_rng is not None \
-            and self._can_defer() and _grad_enabled() \
-            and any(o.requires_grad for o in flat_tensors(output))
+            and self._ledger.calls < _tiers.MAX_CALLS and self._can_defer() \
+            and _grad_enabled() and any(o.requires_grad for o in flat_tensors(output))
         if entries and not defer:
             self._read_or_defer(partial(self._flag_outputs, entries), defer=False)
         flag, t.flag = t.flag, None
@@ -166,6 +168,7 @@ class ModuleTier:
             self._forget_calls(t.calls[:1])
         if defer:
             # judged at the training step's read (step_ledger.py), re-run from `call`
+            self._ledger.calls += 1
             self._read_or_defer(partial(self._judge_deferred_call, call, entries,
                                         [weakref.ref(o) for o in outs]))
 

@@ -22,12 +22,18 @@ anyway and are held without a bound.
 """
 from __future__ import annotations
 
+import logging
 import math
 import threading
+import warnings
 
 import torch
 
-_F32 = torch.float32
+from .checks import _F32, _PLAIN
+
+_log = logging.getLogger(__name__)
+_UNREADABLE: list = []     # the first tensor the ledger could not read (said once)
+_CAPTURE_SAID: list = []   # a read skipped under CUDA graph capture (said once)
 _GROUP = 64
 _GROUP_BYTES = 64 << 20
 
@@ -36,7 +42,7 @@ class StepLedger:
     """Device tensors waiting for their check, by slot, and the judges to run on a bad one."""
 
     __slots__ = ("_held", "_held_bytes", "_kept", "_kept_ids", "_norms", "_slots",
-                 "_judges", "_late", "_lock", "slots", "backwards")
+                 "_judges", "_late", "_lock", "slots", "backwards", "calls")
 
     def __init__(self):
         self._held: list = []      # temporaries: (tensor, slot), bounded
@@ -49,6 +55,7 @@ class StepLedger:
         self._late: dict = {}      # slot -> non-finite value found by the last read
         self.slots = 0             # slots handed out (never reused)
         self.backwards = 0         # judges of backwards among the judges
+        self.calls = 0             # judges of outermost calls (each keeps its arguments)
         self._lock = threading.Lock()
 
     def __bool__(self) -> bool:
@@ -67,6 +74,14 @@ class StepLedger:
     def _hold(self, tensors, alive):
         slots = []
         for x in tensors:
+            if type(x) not in _PLAIN:
+                # a subclass: its local values (a DTensor's shard: each rank checks its
+                # own, no collective), or nothing that a norm could read
+                x = getattr(x, "_local_tensor", None)
+                if type(x) not in _PLAIN:
+                    slots.append(self.slots)
+                    self.slots += 1
+                    continue
             if alive:
                 slot = self._kept_ids.get(id(x))
                 if slot is None:
@@ -95,6 +110,8 @@ class StepLedger:
     def _reduce(self, items) -> None:
         groups: dict = {}
         for x, slot in items:
+            if not _readable(x):      # (its memory was let go since it was held)
+                continue
             group = groups.get((x.device, x.dtype))
             if group is None:
                 group = groups[(x.device, x.dtype)] = ([], [])
@@ -105,9 +122,15 @@ class StepLedger:
                 try:
                     norms = torch._foreach_norm(xs, math.inf, dtype=_F32)
                 except (RuntimeError, TypeError):   # an older torch: one reduction each
-                    norms = [x.abs().amax().to(_F32) for x in xs]
+                    norms, slots = _one_by_one(xs, slots)
                 self._norms.extend(norms)
                 self._slots.extend(slots)
+
+    def take_nothing(self) -> None:
+        """Empty the ledger without a read (nothing held can be read now)."""
+        self._held, self._kept, self._held_bytes, self._kept_ids = [], [], 0, {}
+        self._norms, self._slots, self._judges = [], [], []
+        self.backwards = self.calls = 0
 
     def take(self):
         """The read: (values, judges, held), the ledger emptied. values is None when every
@@ -120,7 +143,7 @@ class StepLedger:
             self._reduce(items)
         norms, slots, judges = self._norms, self._slots, self._judges
         self._norms, self._slots, self._judges = [], [], []
-        self.backwards = 0
+        self.backwards = self.calls = 0
         values = None
         if norms:
             with torch.no_grad():
@@ -141,6 +164,37 @@ class StepLedger:
         if not late and not self._late:
             return None, judges, ()
         return {**late, **self._late}, judges, items
+
+
+def _capturing() -> bool:
+    """Whether this thread's CUDA stream is capturing a graph (no read may happen)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def _readable(x) -> bool:
+    """Whether X still has the memory for its values: not freed by `resize_(0)` (FSDP's
+    way to let go of gathered parameters), nor an autograd zero tensor."""
+    try:
+        return bool(x.numel() and x.data_ptr()) and not x._is_zerotensor() \
+            and x.untyped_storage().nbytes() >= (x.storage_offset() + x.numel()) * x.element_size()
+    except RuntimeError:            # a wrapper without storage
+        return False
+
+
+def _one_by_one(xs, slots):
+    """Norms of XS one reduction each; one that cannot be read (a CUDA graph's output
+    overwritten by a later replay raises on access) is left out, said once."""
+    norms, kept = [], []
+    for x, slot in zip(xs, slots):
+        try:
+            norms.append(x.abs().amax().to(_F32))
+            kept.append(slot)
+        except RuntimeError as exc:
+            if not _UNREADABLE:
+                _UNREADABLE.append(exc)
+                _log.warning("mldebug: a tensor held for the watch's NaN/Inf check could "
+                             "not be read (%s): it is not checked", str(exc).splitlines()[0])
+    return norms, kept
 
 
 def first_bad(values, slots) -> float | None:
@@ -192,9 +246,25 @@ class DeviceReads:
             self._window_to_ledger()
         if not ledger:
             return
+        if _capturing():
+            # a read would break the capture, and what it holds has no values yet (a
+            # captured graph runs later, at its replay): let it go, and say so once
+            ledger.take_nothing()
+            if not _CAPTURE_SAID:
+                _CAPTURE_SAID.append(True)
+                warnings.warn("mldebug: a CUDA graph is being captured: the watch does not "
+                              "check inside it (its ops have no values until replay); it "
+                              "checks the tensors the program uses after a replay",
+                              RuntimeWarning, stacklevel=2)
+            return
         with self._own_ops():
             values, judges, held = ledger.take()
         for judge, always in judges:
             if values is not None or always:
-                judge(values)
+                try:
+                    judge(values)
+                except RuntimeError as exc:   # never the program's: its step goes on
+                    _log.warning("mldebug: the watch could not judge what its read found "
+                                 "(%s)", str(exc).splitlines()[0], exc_info=_log.isEnabledFor(
+                                     logging.DEBUG))
         del held

@@ -245,3 +245,27 @@ def test_on_a_device_a_healthy_step_is_read_once():
     finally:
         core.simulate_device(False)
     assert reads_at_step == [True]
+
+
+def test_forwards_with_no_step_after_them_are_read_every_few_calls(device):
+    """Forwards with gradients but no backward nor step (a gradient-enabled evaluation
+    after training): each waiting call keeps its arguments, so at most MAX_CALLS wait,
+    and a NaN among them is found before the loop ends."""
+    from mldebug.watch import tiers
+    torch.manual_seed(0)
+    model = mlp().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(16, 8, device=device)
+    got = []
+    with watch(on_violation=got.append) as w:
+        for _ in range(2):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        waiting = []
+        for i in range(12):
+            model(x * float("nan") if i == 6 else x)
+            waiting.append(w._ledger.calls)
+        found = [(v.stage, v.op) for v in got]
+    assert max(waiting) <= tiers.MAX_CALLS
+    assert found == [("forward", "aten.mul.Tensor")]

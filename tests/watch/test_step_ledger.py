@@ -1,0 +1,128 @@
+"""The ledger on its own (mldebug/watch/step_ledger.py): what one read finds, which judges
+it runs, what it holds, and what it must never do (crash on memory let go since)."""
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from mldebug.watch import step_ledger
+from mldebug.watch.step_ledger import StepLedger, first_bad
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from opcount import count_step  # noqa: E402
+
+
+def test_a_finite_read_runs_only_the_judges_that_always_run():
+    ledger = StepLedger()
+    ran = []
+    ledger.hold([torch.ones(3), torch.zeros(2, 2)])
+    ledger.then(lambda values: ran.append(("bad", values)))
+    ledger.then(lambda values: ran.append(("always", values)), always=True)
+    values, judges, _ = ledger.take()
+    assert values is None
+    for judge, always in judges:
+        if values is not None or always:
+            judge(values)
+    assert ran == [("always", None)]
+    assert not ledger and not ledger.holds_tensors()
+
+
+def test_a_bad_read_gives_each_slot_its_value():
+    ledger = StepLedger()
+    a, b, c = torch.ones(3), torch.tensor([1.0, float("inf")]), torch.tensor([float("nan")])
+    slots = ledger.hold([a, b]) + ledger.hold([c], alive=True)
+    values, _, held = ledger.take()
+    assert first_bad(values, slots[:1]) is None
+    assert first_bad(values, slots[1:2]) == float("inf")
+    assert first_bad(values, slots[2:]) != first_bad(values, slots[2:])      # NaN
+    assert any(x is b for x, _ in held)        # alive while the judges run
+
+
+def test_one_read_is_a_few_ops_whatever_the_number_of_tensors():
+    """One `_foreach_norm` a dtype, one stack, one amax, one read: 4 ops for 50 tensors."""
+    xs = [torch.randn(4, 4) for _ in range(50)]
+
+    def read():
+        ledger = StepLedger()
+        ledger.hold(xs[:30])
+        ledger.hold(xs[30:], alive=True)
+        ledger.take()
+
+    ops, reads = count_step(read)
+    assert ops == collections.Counter({"aten::_foreach_norm": 1, "aten::stack": 1,
+                                       "aten::amax": 1, "aten::item": 1}), ops
+    assert reads == 1
+
+
+def test_temporaries_are_held_within_the_bound_and_alive_tensors_once():
+    ledger = StepLedger()
+    big = torch.zeros(step_ledger._GROUP_BYTES // 4)
+    ledger.hold([big])                           # at the bound: reduced and let go at once
+    assert not ledger._held and len(ledger._norms) == 1
+    p = torch.ones(3)
+    assert ledger.hold([p], alive=True) == ledger.hold([p], alive=True)
+    assert len(ledger._kept) == 1
+
+
+def test_memory_let_go_since_is_not_read_and_the_rest_still_is():
+    """FSDP frees gathered parameters with `resize_(0)`: reading one would read freed
+    memory (a segfault); it is left out, and a NaN beside it is still found."""
+    ledger = StepLedger()
+    freed, bad = torch.ones(1000), torch.tensor([float("nan")])
+    slots = ledger.hold([freed, bad])
+    freed.untyped_storage().resize_(0)
+    values, _, _ = ledger.take()
+    assert first_bad(values, slots[:1]) is None and first_bad(values, slots[1:]) is not None
+
+
+def test_a_judge_that_comes_after_the_read_of_its_tensors_still_gets_their_values():
+    ledger = StepLedger()
+    slots = ledger.hold([torch.tensor([float("inf")])])
+    values, _, _ = ledger.take()                 # read while its window was still open
+    assert first_bad(values, slots) == float("inf")
+    ledger.hold([torch.ones(2)])
+    values, _, _ = ledger.take()                 # the next read still has it
+    assert first_bad(values, slots) == float("inf")
+    values, _, _ = ledger.take()                 # and then no more
+    assert values is None
+
+
+def test_a_subclass_is_checked_by_its_local_values_or_not_at_all():
+    class Wrapped(torch.Tensor):
+        pass
+
+    ledger = StepLedger()
+    w = torch.tensor([float("nan")]).as_subclass(Wrapped)
+    slots = ledger.hold([w])
+    assert ledger._held == []                    # nothing a norm could read: not held
+    values, _, _ = ledger.take()
+    assert first_bad(values, slots) is None
+
+
+def test_under_cuda_graph_capture_nothing_is_read_and_it_is_said_once(monkeypatch):
+    """A read (a sync) would break a capture, and a captured graph's tensors have no values
+    until it is replayed: the ledger lets them go, with one warning (the capture itself
+    needs a GPU: here the CPU takes the device path and the capture is pretended)."""
+    import warnings
+    import torch.nn as nn
+    from mldebug.watch import core, watch
+    monkeypatch.setattr(step_ledger, "_capturing", lambda: True)
+    monkeypatch.setattr(step_ledger, "_CAPTURE_SAID", [])
+    took = []
+    monkeypatch.setattr(StepLedger, "take", lambda self: took.append(1))
+    core.simulate_device(True)
+    try:
+        got = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with watch(on_violation=got.append):
+                for _ in range(2):
+                    nn.Linear(4, 4)(torch.full((2, 4), float("nan")))
+    finally:
+        core.simulate_device(False)
+    assert took == [] and got == []
+    assert sum("CUDA graph" in str(w.message) for w in caught) == 1
