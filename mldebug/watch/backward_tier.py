@@ -166,12 +166,15 @@ class BackwardTier:
                 if value is not None:
                     bflag = (record, counts_of(value))
                     break
-        grads_bad = checks.host_bad or first_bad(values, checks.leaf_slots) is not None
-        if loss_bflag is None and bflag is None and not grads_bad:
-            t.judged_grads.clear()
-            return
-        with self._own_ops():
-            suspect = self._suspect_grads(calls, bflag)
+        if bflag is None and not checks.host_bad \
+                and first_bad(values, checks.leaf_slots) is None:
+            t.judged_grads.clear()       # every gradient finite
+            if loss_bflag is None:
+                return
+            suspect = None
+        else:
+            with self._own_ops():
+                suspect = self._suspect_grads(calls, bflag)
         t.loss_bflag = loss_bflag
         try:
             after_stop = stopped or any(call.lineage for call in calls)

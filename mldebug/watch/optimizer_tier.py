@@ -109,13 +109,17 @@ class OptimizerTier:
             slots = self._ledger.hold([x for x, _, _, _ in device], alive=True)
             frame = _frames.user_frame(_caller(1))
             where = _frames.location(frame) if frame is not None else None
+            # read later, its gradients may be gone by then: what the read before the
+            # step found of them stands in (`_hold_step_grads`)
+            defer = self._can_defer()
             self._read_or_defer(partial(self._judge_held_step, optimizer, device, slots,
-                                        self._steps, where, self._step_grads))
+                                        self._steps, where,
+                                        self._step_grads if defer else None), defer=defer)
 
     def _judge_held_step(self, optimizer, entries, slots, step, where, grads, values):
         """A judge of the ledger: the step's device tensors, read now or at a later
-        window; then the step's gradients are judged by what the read before the step
-        found (`_hold_step_grads`), and the stop names the step and its line."""
+        window (then GRADS, what the read before the step found of its gradients, stands
+        in for them); the stop names the step and its line either way."""
         bad = [e for e, slot in zip(entries, slots) if first_bad(values, (slot,)) is not None]
         if not bad:
             return
@@ -125,7 +129,7 @@ class OptimizerTier:
             with self._own_ops():   # (as after the step itself: the mode off)
                 self._judge_step_tensors(optimizer, bad, where=where, grads=grads)
         finally:
-            self._steps = max(steps, self._steps)
+            self._steps = steps
 
     def _judge_step_tensors(self, optimizer, tensors, where=None, grads=None):
         """The stop rule for the step's tensors that may be non-finite. GRADS: what the

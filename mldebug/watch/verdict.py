@@ -336,7 +336,7 @@ class Verdict:
         else:
             grad_counts, judged = grad[:2] if grad is not None else ((0, 0, 0), False)
             grad = ("non-finite" if sum(grad_counts) else "finite") + \
-                " (read before the step; gone since)"
+                " when read before the step"
         created = not sum(grad_counts)
         unjudged = False
         if not created:

@@ -83,6 +83,13 @@ def mlp(*middle):
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), *middle, nn.Linear(16, 4))
 
 
+def setup(device, model):
+    """MODEL on DEVICE, seeded, with SGD and a batch of 16."""
+    torch.manual_seed(0)
+    model = model.to(device)
+    return model, torch.optim.SGD(model.parameters(), lr=0.01), torch.randn(16, 8, device=device)
+
+
 def stops(got):
     return [(v.stage, v.op, v.module, v.line, v.step) for v in got]
 
@@ -144,10 +151,7 @@ class RootWhen(nn.Module):
 def test_accumulated_backwards_are_read_before_the_next_and_pinned(device):
     """Two backwards a step (gradient accumulation): the first one's judge is read
     when the second starts (it keeps its gradients), and its stop is pinned."""
-    torch.manual_seed(0)
-    model = RootWhen().to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.randn(16, 8, device=device)
+    model, opt, x = setup(device, RootWhen())
     got = []
     with watch(on_violation=got.append) as w:
         for step in range(5):
@@ -164,10 +168,7 @@ def test_accumulated_backwards_are_read_before_the_next_and_pinned(device):
 def test_an_eval_forward_between_steps_is_read_at_its_end(device):
     """A forward under no_grad (evaluation) has no step read to wait for: read when it
     returns, after what the training step left waiting."""
-    torch.manual_seed(0)
-    model = mlp().to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.randn(16, 8, device=device)
+    model, opt, x = setup(device, mlp())
     got = []
     with watch(on_violation=got.append):
         for step in range(3):
@@ -252,10 +253,7 @@ def test_forwards_with_no_step_after_them_are_read_every_few_calls(device):
     after training): each waiting call keeps its arguments, so at most MAX_CALLS wait,
     and a NaN among them is found before the loop ends."""
     from mldebug.watch import tiers
-    torch.manual_seed(0)
-    model = mlp().to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.randn(16, 8, device=device)
+    model, opt, x = setup(device, mlp())
     got = []
     with watch(on_violation=got.append) as w:
         for _ in range(2):
