@@ -125,6 +125,7 @@ class BackwardTier:
         judge = partial(self._judge_backward, checks, roots, targets, calls, stopped)
         if checks.device:
             self._ledger.backwards += 1
+            self._ledger.sources.extend(calls)   # (its re-run computes from them)
             self._read_or_defer(judge, always=True)
         else:
             judge(None)

@@ -94,6 +94,8 @@ class _Mode(TorchDispatchMode):
             w._attach_provenance()
         if w._stash:
             w._deliver_stash()
+        if info.mutated and w._ledger.sources:
+            w._before_mutation(w._mutated(info, args, kwargs))
         op = info.op
         safe = info.safe
         if safe and (w._taint or w._win or (safe == 2 and not info.guard(args, kwargs))):

@@ -169,6 +169,7 @@ class ModuleTier:
         if defer:
             # judged at the training step's read (step_ledger.py), re-run from `call`
             self._ledger.calls += 1
+            self._ledger.sources.append(call)
             self._read_or_defer(partial(self._judge_deferred_call, call, entries,
                                         [weakref.ref(o) for o in outs]))
 

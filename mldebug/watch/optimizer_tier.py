@@ -112,6 +112,8 @@ class OptimizerTier:
             # read later, its gradients may be gone by then: what the read before the
             # step found of them stands in (`_hold_step_grads`)
             defer = self._can_defer()
+            if defer:     # (an op that writes them before the read reads first)
+                self._ledger.sources.append([x for x, _, _, _ in device])
             self._read_or_defer(partial(self._judge_held_step, optimizer, device, slots,
                                         self._steps, where,
                                         self._step_grads if defer else None), defer=defer)
@@ -138,12 +140,13 @@ class OptimizerTier:
         bad = []
         for x, p, what, group in tensors:
             c = _counts(x)
-            if not sum(c) or self._taint_get(x) is not None:
+            if not sum(c):
                 continue
             before = self._taint_of_storage(x)
             if before is not None:
                 # non-finite before the step already, and judged then: the step carried
-                # it on (an Inf in Adam's exp_avg_sq stays Inf), no new stop every step
+                # it on (an Inf in Adam's exp_avg_sq stays Inf), no new stop every step;
+                # judged again as it is now (the next op that writes it in place sees it)
                 self._taint_add(x, c[0] > 0, c[1] + c[2] > 0, before[2])
                 continue
             bad.append((x, p, what, group, c))

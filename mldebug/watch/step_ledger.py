@@ -29,6 +29,8 @@ import warnings
 
 import torch
 
+from ..core.structs import tensors_in
+from . import tiers as _tiers
 from .checks import _F32, _PLAIN
 
 _log = logging.getLogger(__name__)
@@ -42,7 +44,8 @@ class StepLedger:
     """Device tensors waiting for their check, by slot, and the judges to run on a bad one."""
 
     __slots__ = ("_held", "_held_bytes", "_kept", "_kept_ids", "_norms", "_slots",
-                 "_judges", "_late", "_lock", "slots", "backwards", "calls")
+                 "_judges", "_late", "_lock", "slots", "backwards", "calls", "sources",
+                 "waiting")
 
     def __init__(self):
         self._held: list = []      # temporaries: (tensor, slot), bounded
@@ -56,6 +59,9 @@ class StepLedger:
         self.slots = 0             # slots handed out (never reused)
         self.backwards = 0         # judges of backwards among the judges
         self.calls = 0             # judges of outermost calls (each keeps its arguments)
+        self.sources: list = []    # what waiting judges read or re-run from: RootCalls
+                                   # (their parameters and arguments), lists of tensors
+        self.waiting = None        # the memory of those, when an op outside modules writes
         self._lock = threading.Lock()
 
     def __bool__(self) -> bool:
@@ -131,6 +137,7 @@ class StepLedger:
         self._held, self._kept, self._held_bytes, self._kept_ids = [], [], 0, {}
         self._norms, self._slots, self._judges = [], [], []
         self.backwards = self.calls = 0
+        self.sources, self.waiting = [], None
 
     def take(self):
         """The read: (values, judges, held), the ledger emptied. values is None when every
@@ -144,6 +151,7 @@ class StepLedger:
         norms, slots, judges = self._norms, self._slots, self._judges
         self._norms, self._slots, self._judges = [], [], []
         self.backwards = self.calls = 0
+        self.sources, self.waiting = [], None
         values = None
         if norms:
             with torch.no_grad():
@@ -164,6 +172,21 @@ class StepLedger:
         if not late and not self._late:
             return None, judges, ()
         return {**late, **self._late}, judges, items
+
+
+def _storages(sources) -> set:
+    """Addresses of the memory of SOURCES: lists of tensors, and RootCalls (their
+    modules' parameters and their tensor arguments)."""
+    found = set()
+    for source in sources:
+        tensors = source if isinstance(source, list) else \
+            list(source.module.parameters()) + tensors_in((source.args, source.kwargs))
+        for t in tensors:
+            try:
+                found.add(t.untyped_storage().data_ptr())
+            except RuntimeError:
+                continue
+    return found
 
 
 def _capturing() -> bool:
@@ -259,12 +282,32 @@ class DeviceReads:
             return
         with self._own_ops():
             values, judges, held = ledger.take()
-        for judge, always in judges:
-            if values is not None or always:
-                try:
-                    judge(values)
-                except RuntimeError as exc:   # never the program's: its step goes on
-                    _log.warning("mldebug: the watch could not judge what its read found "
-                                 "(%s)", str(exc).splitlines()[0], exc_info=_log.isEnabledFor(
-                                     logging.DEBUG))
+        if values is None and not any(always for _, always in judges):
+            return
+        with _tiers.mode_on(self._mode):     # (a judge may re-run a call)
+            for judge, always in judges:
+                if values is not None or always:
+                    try:
+                        judge(values)
+                    except RuntimeError as exc:   # never the program's: its step goes on
+                        _log.warning("mldebug: the watch could not judge what its read "
+                                     "found (%s)", str(exc).splitlines()[0],
+                                     exc_info=_log.isEnabledFor(logging.DEBUG))
         del held
+
+    def _before_mutation(self, tensors) -> None:
+        """An op outside modules is about to write TENSORS in place: if it writes what a
+        judge waiting for the step's read reads or re-runs from (a parameter, a call's
+        argument, an optimizer's state: weight clipping, a manual update), read now, while
+        the judge still sees what the program saw (and a re-run computes what it did)."""
+        ledger = self._ledger
+        if ledger.waiting is None:
+            ledger.waiting = _storages(ledger.sources)
+        for x in tensors:
+            for t in (x if isinstance(x, (list, tuple)) else (x,)):
+                try:
+                    if t.untyped_storage().data_ptr() in ledger.waiting:
+                        self._read_ledger()
+                        return
+                except (RuntimeError, AttributeError):
+                    continue

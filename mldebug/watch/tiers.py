@@ -250,6 +250,20 @@ def mode_off(mode):
             _push_mode(mode)
 
 
+@contextlib.contextmanager
+def mode_on(mode):
+    """The exact mode on top of the stack (a re-run needs it), also from where it is off:
+    inside its own `__torch_dispatch__`, or the optimizer step."""
+    pushed = mode is not None and not mode_on_top(mode)
+    if pushed:
+        _push_mode(mode)
+    try:
+        yield
+    finally:
+        if pushed:
+            pop_if_top(mode)
+
+
 def any_nonfinite(obj) -> bool:
     """Whether any floating tensor in OBJ (arguments of a call) holds a NaN/Inf."""
     return any_nonfinite_sum([t for t in flat_tensors(obj) if t.is_floating_point()

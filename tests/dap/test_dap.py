@@ -413,7 +413,7 @@ class TestBreakpointAndVariables:
             dap.wait_event("invalidated", timeout=20)
             again = dap.request("variables", {"variablesReference": scopes[0]["variablesReference"]})
             big = next(v for v in again["variables"] if v["name"] == "big")
-            assert "x∈[1.000, 1.000]" in big["value"], big
+            assert "x∈[1.000, 1.000]" in big["value"] and "NaN!100000" in big["value"], big
             dap.request("continue", {"threadId": thread})
             assert dap.wait_event("exited", timeout=25)["exitCode"] == 0
 

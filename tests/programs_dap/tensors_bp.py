@@ -24,7 +24,13 @@ def only_big(big):
 stop = threading.Event()
 hidden = hide_from_debugger(threading.Thread(target=stop.wait, name="mldebug-hidden", daemon=True))
 hidden.start()
-big = torch.ones(10000, 10000)
+# one NaN in a thousand: its summary (exact counts, finite stats) takes ~250 ms, well over
+# the Variables view's 50 ms budget on any machine, so the value comes first and the full
+# summary later (all ones took ~40 ms here: sometimes within the budget). Made in numpy:
+# under the CLI's watch a torch op writing the NaNs would be a stop.
+ones = np.ones((10000, 10000), dtype=np.float32)
+ones.reshape(-1)[::1000] = np.nan
+big = torch.from_numpy(ones)
 show()
 only_big(big)
 stop.set()
