@@ -267,3 +267,36 @@ def test_forwards_with_no_step_after_them_are_read_every_few_calls(device):
         found = [(v.stage, v.op) for v in got]
     assert max(waiting) <= tiers.MAX_CALLS
     assert found == [("forward", "aten.mul.Tensor")]
+
+
+class ExpHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.lin(x).exp()  # here
+
+
+def test_a_weight_written_between_backward_and_step_is_read_before_the_write(device):
+    """Weight clipping after backward, outside the optimizer: at step BAD_STEP the head's
+    weight is large and exp overflows; the clip then makes it small again. On a device
+    the clip comes before the step's read, so the watch reads first: the re-run computes
+    what the call computed (with the large weight) and pins the exp, as on the host."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), ExpHead()).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.001)
+    x = torch.randn(32, 8, device=device)
+    got = []
+    with watch(on_violation=got.append):
+        for step in range(6):
+            opt.zero_grad()
+            if step == BAD_STEP:
+                with torch.no_grad():
+                    model[2].lin.weight.fill_(1e3)
+            model(x).mean().backward()
+            with torch.no_grad():
+                model[2].lin.weight.clamp_(-1.0, 1.0)
+            opt.step()
+    assert [(v.op, v.module, v.line, v.step) for v in got] == [
+        ("aten.exp.default", "2", lineno(ExpHead.forward), BAD_STEP)]
