@@ -132,26 +132,27 @@ class StepLedger:
                 self._norms.extend(norms)
                 self._slots.extend(slots)
 
-    def take_nothing(self) -> None:
-        """Empty the ledger without a read (nothing held can be read now)."""
+    def _empty(self):
+        """Empty the ledger: (norms, their slots, judges)."""
+        emptied = (self._norms, self._slots, self._judges)
         self._held, self._kept, self._held_bytes, self._kept_ids = [], [], 0, {}
         self._norms, self._slots, self._judges = [], [], []
         self.backwards = self.calls = 0
         self.sources, self.waiting = [], None
+        return emptied
+
+    def take_nothing(self) -> None:
+        """Empty the ledger without a read (nothing held can be read now)."""
+        self._empty()
 
     def take(self):
         """The read: (values, judges, held), the ledger emptied. values is None when every
         tensor held was finite (one transfer), else slot -> float (one more); held keeps
         the tensors alive while the judges run."""
         items = self._held + self._kept
-        self._held, self._kept, self._held_bytes = [], [], 0
-        self._kept_ids = {}
         if items:
             self._reduce(items)
-        norms, slots, judges = self._norms, self._slots, self._judges
-        self._norms, self._slots, self._judges = [], [], []
-        self.backwards = self.calls = 0
-        self.sources, self.waiting = [], None
+        norms, slots, judges = self._empty()
         values = None
         if norms:
             with torch.no_grad():
