@@ -300,3 +300,36 @@ def test_a_weight_written_between_backward_and_step_is_read_before_the_write(dev
             opt.step()
     assert [(v.op, v.module, v.line, v.step) for v in got] == [
         ("aten.exp.default", "2", lineno(ExpHead.forward), BAD_STEP)]
+
+
+def test_a_lightning_step_with_its_closure_is_read_after_the_closure(device):
+    """Lightning runs forward and backward inside `optimizer.step(closure)`: the read
+    comes when the closure returns, before the update, and the stop is the host path's."""
+    import warnings
+    L = pytest.importorskip("lightning")
+
+    class Model(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp(Gate())
+
+        def training_step(self, batch, i):
+            self.net[2].step = self.global_step
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(96, 8), torch.randint(0, 4, (96,)))
+    got = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with watch(on_violation=got.append):
+            L.Trainer(max_steps=6, accelerator="gpu" if device == "cuda" else "cpu",
+                      devices=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False).fit(
+                Model(), torch.utils.data.DataLoader(data, batch_size=16))
+    assert stops(got) == [("forward", "aten.sqrt.default", "2", lineno(Gate.forward),
+                           BAD_STEP)]
