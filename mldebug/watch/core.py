@@ -139,8 +139,8 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
         self._stash: list = []      # violations found off the owner thread
         self._win: list = []        # device window entries
         self._ledger = StepLedger() # device tensors waiting for their read (step_ledger.py)
-        self._step_grads: dict = {} # id(param) -> (counts, judged) of its non-finite
-                                    # gradient at the last step (device parameters)
+        self._step_grads: dict = {} # id(param) -> (counts, judged, from a stop) of its
+                                    # non-finite gradient at the last step (on a device)
         self._bwd_queued = False
         self._opt_depth = 0
         self._optimizer = None
