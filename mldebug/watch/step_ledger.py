@@ -118,9 +118,10 @@ class StepLedger:
         for x, slot in items:
             if not _readable(x):      # (its memory was let go since it was held)
                 continue
-            group = groups.get((x.device, x.dtype))
+            key = (x.get_device(), x.dtype)     # (cheaper than x.device)
+            group = groups.get(key)
             if group is None:
-                group = groups[(x.device, x.dtype)] = ([], [])
+                group = groups[key] = ([], [])
             group[0].append(x)
             group[1].append(slot)
         with torch.no_grad():         # our own reduction: no autograd node
@@ -199,8 +200,9 @@ def _readable(x) -> bool:
     """Whether X still has the memory for its values: not freed by `resize_(0)` (FSDP's
     way to let go of gathered parameters), nor an autograd zero tensor."""
     try:
-        return bool(x.numel() and x.data_ptr()) and not x._is_zerotensor() \
-            and x.untyped_storage().nbytes() >= (x.storage_offset() + x.numel()) * x.element_size()
+        n = x.numel()
+        return n > 0 and x.untyped_storage().nbytes() >= (x.storage_offset() + n) \
+            * x.element_size() and not x._is_zerotensor()
     except RuntimeError:            # a wrapper without storage
         return False
 
