@@ -45,6 +45,13 @@ def readable_address(x: torch.Tensor) -> int:
     wrappers (a null pointer), a freed (shrunk) storage."""
     if type(x) not in _PLAIN or not x.is_cpu:
         return 0
+    return values_address(x)
+
+
+def values_address(x: torch.Tensor) -> int:
+    """The address of X's first value (on any device) when X has memory of its own that
+    holds all its values, else 0 (see readable_address; the device ledger of the watch
+    asks it too: FSDP lets gathered parameters go with `resize_(0)`)."""
     try:
         ptr = x.data_ptr()            # a wrapper tensor (no storage) raises
     except RuntimeError:

@@ -20,7 +20,7 @@ from . import safe as _safe
 from . import tiers as _tiers
 from .checks import _SUM_DTYPE, _checkable, _counts, _floating, _isfinite
 from .native_check import nonfinite as _native_nonfinite
-from .step_ledger import counts_of, first_bad
+from .step_ledger import counts_of, first_bad, first_bad_entry
 
 _get_ident = threading.get_ident
 _HOST_READS = True      # False while tests run the device paths on the CPU
@@ -116,12 +116,10 @@ class BackwardTier:
                 sentinel.call = None
             if popped:
                 _tiers.push(self._mode)
-        if checks is None:
-            if not opts.get("retain_graph"):
-                self._forget_calls(calls)
-            return result
         if not opts.get("retain_graph"):
-            self._forget_calls(calls)     # (the judge keeps what it needs of them)
+            self._forget_calls(calls)     # (a judge keeps what it needs of them)
+        if checks is None:
+            return result
         judge = partial(self._judge_backward, checks, roots, targets, calls, stopped)
         if checks.device:
             self._ledger.backwards += 1
@@ -153,20 +151,15 @@ class BackwardTier:
         """A judge of the ledger (always run): the gradients' verdict, a replay of the
         model's backward for a bad one (`_pin_backward`)."""
         t = self._t
-        loss_bflag = checks.loss_bflag
-        if loss_bflag is None and values is not None:
-            for slot, call, pos in checks.loss_slots:
-                value = first_bad(values, (slot,))
-                if value is not None:
-                    loss_bflag = (call, pos, counts_of(value))
-                    break
-        bflag = checks.bflag
-        if bflag is None and values is not None:
-            for slot, record in checks.grad_slots:
-                value = first_bad(values, (slot,))
-                if value is not None:
-                    bflag = (record, counts_of(value))
-                    break
+        loss_bflag, bflag = checks.loss_bflag, checks.bflag
+        found = first_bad_entry(values, checks.loss_slots) if loss_bflag is None else None
+        if found is not None:
+            (_, call, pos), value = found
+            loss_bflag = (call, pos, counts_of(value))
+        found = first_bad_entry(values, checks.grad_slots) if bflag is None else None
+        if found is not None:
+            (_, record), value = found
+            bflag = (record, counts_of(value))
         if bflag is None and not checks.host_bad \
                 and first_bad(values, checks.leaf_slots) is None:
             t.judged_grads.clear()       # every gradient finite

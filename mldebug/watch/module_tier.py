@@ -141,14 +141,9 @@ class ModuleTier:
             self._taint_outputs(flat_tensors(output), True)
         kwargs = None
         if flag is not None and not t.done:
-            record, counts = flag
-            key = (id(module), tuple(c > 0 for c in counts))
-            if key in t.fruitless:
-                self._taint_outputs(flat_tensors(output), t.fruitless[key])
-            else:
-                kwargs = _tiers.call_kwargs(_caller(1))
-                self._replay_forward(module, args, kwargs, rng, output, (module, None),
-                                     counts, key)
+            kwargs = _tiers.call_kwargs(_caller(1))
+            self._judge_flagged_root(module, args, kwargs, rng, flat_tensors(output),
+                                     flag[1])
         if not _grad_enabled():
             return
         outs = flat_tensors(output)
@@ -184,18 +179,24 @@ class ModuleTier:
             if t.flag is None:
                 return
             (_, counts), t.flag = t.flag, None
-            module = call.module
             outs = [o for o in (r() for r in out_refs) if o is not None]
-            key = (id(module), tuple(c > 0 for c in counts))
-            if key in t.fruitless:
-                self._taint_outputs(outs, t.fruitless[key])
-                return
-            self._replay_forward(module, call.args, call.kwargs,
-                                 (call.cpu_rng, call.cuda_rng), outs, (module, None),
-                                 counts, key, autocast=call.autocast)
+            self._judge_flagged_root(call.module, call.args, call.kwargs,
+                                     (call.cpu_rng, call.cuda_rng), outs, counts,
+                                     autocast=call.autocast)
             call.lineage = call.lineage or t.done
         finally:
             t.flag, t.done = flag, done
+
+    def _judge_flagged_root(self, module, args, kwargs, rng, outs, counts, autocast=None):
+        """An outermost call whose output a sentinel flagged: judged as its pattern was
+        before (a replay that found no stop), else re-run under the exact mode."""
+        t = self._t
+        key = (id(module), tuple(c > 0 for c in counts))
+        if key in t.fruitless:
+            self._taint_outputs(outs, t.fruitless[key])
+            return
+        self._replay_forward(module, args, kwargs, rng, outs, (module, None), counts, key,
+                             autocast=autocast)
 
     def _forget_calls(self, calls=None):
         t = self._t

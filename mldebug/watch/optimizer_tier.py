@@ -9,6 +9,7 @@ Mixed into `Watch` (core.py), called from its global optimizer hooks.
 """
 from __future__ import annotations
 
+import operator
 import threading
 from functools import partial
 
@@ -21,6 +22,7 @@ from .step_ledger import first_bad
 from .verdict import LIVE_GRAD as _LIVE
 
 _get_ident = threading.get_ident
+_first, _second = operator.itemgetter(0), operator.itemgetter(1)
 
 
 class OptimizerTier:
@@ -100,9 +102,7 @@ class OptimizerTier:
         tensors, on the CPU now (one read), on a device held by the ledger and read with
         the next window (in training: the next step's read); a non-finite one is reported
         by the parameter's name, at the `optimizer.step()` line."""
-        host, device = [], []
-        for entry in _tiers.step_tensors(optimizer):
-            (host if entry[0].is_cpu and _tiers._HOST_READS else device).append(entry)
+        host, device = _tiers.split_by_device(_tiers.step_tensors(optimizer), _first)
         if host and _tiers.any_nonfinite_sum([x for x, _, _, _ in host]):
             self._judge_step_tensors(optimizer, host)
         if device:
@@ -172,8 +172,7 @@ class OptimizerTier:
         """Before the step: the gradients it will use, on a device, join the read, and
         what it finds of them is kept for the step's own check (read later, when the
         gradients may be gone)."""
-        pairs = [(p, g) for p, g in _tiers.step_grads(optimizer)
-                 if not (g.is_cpu and _tiers._HOST_READS)]
+        _, pairs = _tiers.split_by_device(_tiers.step_grads(optimizer), _second)
         if not pairs:
             return
         slots = self._ledger.hold([g for _, g in pairs], alive=True)

@@ -29,6 +29,7 @@ import warnings
 
 import torch
 
+from ..core.native import values_address
 from ..core.structs import tensors_in
 from . import tiers as _tiers
 from .checks import _F32, _PLAIN
@@ -116,7 +117,7 @@ class StepLedger:
     def _reduce(self, items) -> None:
         groups: dict = {}
         for x, slot in items:
-            if not _readable(x):      # (its memory was let go since it was held)
+            if not values_address(x):  # (its memory was let go since it was held)
                 continue
             key = (x.get_device(), x.dtype)     # (cheaper than x.device)
             group = groups.get(key)
@@ -196,17 +197,6 @@ def _capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
-def _readable(x) -> bool:
-    """Whether X still has the memory for its values: not freed by `resize_(0)` (FSDP's
-    way to let go of gathered parameters), nor an autograd zero tensor."""
-    try:
-        n = x.numel()
-        return n > 0 and x.untyped_storage().nbytes() >= (x.storage_offset() + n) \
-            * x.element_size() and not x._is_zerotensor()
-    except RuntimeError:            # a wrapper without storage
-        return False
-
-
 def _one_by_one(xs, slots):
     """Norms of XS one reduction each; one that cannot be read (a CUDA graph's output
     overwritten by a later replay raises on access) is left out, said once."""
@@ -231,6 +221,16 @@ def first_bad(values, slots) -> float | None:
         v = values.get(slot, 0.0)
         if not math.isfinite(v):
             return v
+    return None
+
+
+def first_bad_entry(values, entries):
+    """(entry, value) of the first of ENTRIES (tuples whose first item is a slot) whose
+    value is not finite, or None."""
+    for entry in entries:
+        value = first_bad(values, (entry[0],))
+        if value is not None:
+            return entry, value
     return None
 
 

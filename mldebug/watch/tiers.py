@@ -370,9 +370,11 @@ def floating_grads(tensors) -> list:
     return grads
 
 
-def split_by_device(tensors) -> tuple[list, list]:
-    """(those checked on the host now: CPU tensors, those a device's read checks)."""
+def split_by_device(items, tensor_of=None) -> tuple[list, list]:
+    """(those checked on the host now: CPU tensors, those a device's read checks);
+    TENSOR_OF(item) is the tensor of an item that is not one itself."""
     host, device = [], []
-    for x in tensors:
-        (host if x.is_cpu and _HOST_READS else device).append(x)
+    for item in items:
+        x = item if tensor_of is None else tensor_of(item)
+        (host if x.is_cpu and _HOST_READS else device).append(item)
     return host, device
