@@ -1,12 +1,12 @@
 """Cost of `mldebug.record()` and of the CLI's step history, as ratios to the plain step.
 
-    python benchmarks/bench_record.py [--quick] [--models mlp,cnn] [--device cpu|cuda]
+    python benchmarks/bench_record.py [--quick] [--models mlp,cnn,gpt] [--device cpu|cuda]
                                       [--batch-scale N]
 
 One process; for each model the variants run interleaved, repetition after repetition,
 each on its own copy of the model (same weights), and the median step time of each is
 printed as a ratio to plain. A step is zero_grad + forward + backward + optimizer step
-(the MLP and ResNet-18-like CNN of bench_watch.py).
+(the MLP, ResNet-18-like CNN and, with --models, the GPT of bench_watch.py).
 
     plain2          a second plain copy: the noise floor of the measurement
     record@1        all four logs (io, io_grad, params, params_grad), every step
@@ -30,12 +30,12 @@ printed as a ratio to plain. A step is zero_grad + forward + backward + optimize
                     when it fails on a model.
 
 Then, for each model, the counts that do not depend on the machine: the aten ops and host
-reads of a plain step, a recorded one and one `every=100` does not record.
+reads of a plain step, a recorded one and one `every=100` does not record; on the CPU also
+those of the recorder's device (GPU) path, run on the CPU: there each op is a launch.
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import random
 import statistics
@@ -86,12 +86,10 @@ def load_torchexplorer():
 class Variant:
     """A model copy with something attached; `steps(n)` returns per-step times."""
 
-    def __init__(self, name, base, device, attach):
+    def __init__(self, name, make, device, attach):
         self.name = name
-        model, loss_fn, opt = base
-        self.model = copy.deepcopy(model)
-        self.opt = type(opt)(self.model.parameters(), **opt.defaults)
-        self.loss_fn = _rebind(loss_fn, model, self.model)
+        torch.manual_seed(0)     # every copy: the same weights, data and optimizer
+        self.model, self.loss_fn, self.opt = make()
         self.device = device
         self.attach = attach
         self.handle = None
@@ -112,15 +110,6 @@ class Variant:
         return times
 
 
-def _rebind(loss_fn, old, new):
-    """The bench_watch loss closure calls its own model: call the copy instead."""
-    cells = [c.cell_contents for c in loss_fn.__closure__ or ()]
-    x = next(c for c in cells if isinstance(c, torch.Tensor) and c.is_floating_point())
-    y = next(c for c in cells if isinstance(c, torch.Tensor) and not c.is_floating_point())
-    import torch.nn.functional as F
-    return lambda: F.cross_entropy(new(x), y)
-
-
 class _Null:
     def __enter__(self):
         return None
@@ -129,7 +118,7 @@ class _Null:
         return False
 
 
-def make_variants(base, device, run_dir, texp):
+def make_variants(make, device, run_dir, texp):
     def rec(every):
         return lambda v: mldebug.record(v.model, log=LOGS, every=every, run_dir=run_dir,
                                         run=f"bench-{every}")
@@ -182,35 +171,38 @@ def make_variants(base, device, run_dir, texp):
             return attach
         variants["texp@1"] = peer(1)
         variants["texp@100"] = peer(100)
-    return {k: Variant(k, base, device, a) for k, a in variants.items()}
+    return {k: Variant(k, make, device, a) for k, a in variants.items()}
 
 
-def count_ops(name, device, run_dir):
+def count_ops(name, device, run_dir, simulate_device=False):
     """The aten ops and host reads of one step, plain and recorded with all four logs
     (every=1), and of a step `every=100` does not record: machine-independent counts
-    (benchmarks/opcount.py) beside the ratios."""
+    (benchmarks/opcount.py) beside the ratios. SIMULATE_DEVICE: the recorder's device
+    (GPU) path, run on the CPU (`record.stats.simulate_device`)."""
+    from mldebug.record import stats
     out = {}
     for k, every in (("plain", None), ("record@1", 1), ("record@100:off", 100)):
         torch.manual_seed(0)
         model, loss_fn, opt = MODELS[name](device)
         rec = None if every is None else mldebug.record(
             model, log=LOGS, every=every, run_dir=run_dir, run=f"count-{name}-{every}")
+        stats.simulate_device(simulate_device)
         try:
             # record@100:off: steps 1.. of a recorder whose step 0 was recorded in warm-up
             ops, reads = count_step(lambda: step(model, loss_fn, opt))
         finally:
+            stats.simulate_device(False)
             if rec is not None:
                 rec.close()
         out[k] = (sum(ops.values()), reads)
     n0, r0 = out["plain"]
-    return f"{name:6} ops a step: plain {n0}, " + ", ".join(
+    label = "device path on the cpu" if simulate_device else device
+    return f"{name:6} ops a step ({label}): plain {n0}, " + ", ".join(
         f"{k} {n} ({n - n0:+d}, reads {r - r0:+d})" for k, (n, r) in out.items() if k != "plain")
 
 
 def measure(name, device, reps, per, run_dir, texp):
-    torch.manual_seed(0)
-    base = MODELS[name](device)
-    vs = make_variants(base, device, run_dir, texp)
+    vs = make_variants(lambda: MODELS[name](device), device, run_dir, texp)
     for k, v in list(vs.items()):               # warm-up
         try:
             v.steps(2)
@@ -269,8 +261,9 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     texp, why = load_torchexplorer()
-    reps = {"mlp": 80, "cnn": 10} if not args.quick else {"mlp": 30, "cnn": 4}
-    per = {"mlp": 8, "cnn": 5}
+    reps = {"mlp": 80, "cnn": 10, "gpt": 6} if not args.quick else {"mlp": 30, "cnn": 4,
+                                                                     "gpt": 3}
+    per = {"mlp": 8, "cnn": 5, "gpt": 4}   # (:off leaves out the first three)
     load = os.getloadavg()
     print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, "
           f"{'quick' if args.quick else 'full'}, batch x{args.batch_scale}, clock {args.clock}, load average {load[0]:.2f} {load[1]:.2f} "
@@ -296,6 +289,8 @@ def main(argv=None):
                   flush=True)
         for name in args.models.split(","):
             print(count_ops(name, args.device, run_dir), flush=True)
+            if args.device == "cpu":
+                print(count_ops(name, "cpu", run_dir, simulate_device=True), flush=True)
     load = os.getloadavg()
     print(f"load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 

@@ -78,8 +78,8 @@ def write_program(tmp_path):
 
 # The watch and the recorder have a host path and a device path (reads batched per
 # device, CUDA RNG states, events): tests that take `device` run on the CPU, on the CPU
-# with the watch's device path (what CI, which has no GPU, can run of it) and on CUDA,
-# skipped without a GPU (they were run on a lent H100).
+# with the watch's and the recorder's device paths (what CI, which has no GPU, can run
+# of them) and on CUDA, skipped without a GPU (they were run on a lent H100).
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -88,12 +88,15 @@ def device(request):
     if request.param != "cpu-as-device":
         yield request.param
         return
+    from mldebug.record import stats
     from mldebug.watch import core
     core.simulate_device(True)
+    stats.simulate_device(True)
     try:
         yield "cpu"
     finally:
         core.simulate_device(False)
+        stats.simulate_device(False)
 
 
 # A training run whose head's weight blows up until exp overflows: the history tests

@@ -452,19 +452,23 @@ class Recorder(CaptureHooks, StepWriting):
         self._remove(self._thooks)
 
     def _record_params(self) -> None:
+        """The parameters and their gradients now, before the optimizer changes them: all
+        at once (`StepBatch.add_many`: on a GPU one copy for them all)."""
         self._params_done = True
+        keys, ts = [], []
+        for name, path, p in self._params:
+            if "params" in self.log and p.is_floating_point():
+                keys.append((f"{name}:param", (path, "param", 0, name, p.shape, p.dtype), 0))
+                ts.append(p)
+            g = p.grad
+            if "params_grad" in self.log and g is not None and g.is_floating_point() \
+                    and g.layout == torch.strided:
+                keys.append((f"{name}:param_grad", (path, "param_grad", 0, name, g.shape,
+                                                    g.dtype), 0))
+                ts.append(g)
         with own_work():
-            for name, path, p in self._params:
-                if "params" in self.log and p.is_floating_point():
-                    self._entries.append((f"{name}:param", (path, "param", 0, name, p.shape,
-                                                            p.dtype), 0,
-                                          self._batch.add(p, self.sample)))
-                g = p.grad
-                if "params_grad" in self.log and g is not None and g.is_floating_point() \
-                        and g.layout == torch.strided:
-                    self._entries.append((f"{name}:param_grad", (path, "param_grad", 0, name,
-                                                                 g.shape, g.dtype), 0,
-                                          self._batch.add(g, self.sample)))
+            rows = self._batch.add_many(ts, self.sample)
+        self._entries += [key + (row,) for key, row in zip(keys, rows)]
 
     # -- named tensors, scalars, notes ---------------------------------------------------
     def log_tensor(self, name: str, t, role: str = "") -> None:

@@ -48,6 +48,18 @@ BATCH = 1 << 15                # CPU tensors up to this many elements: copied, r
 DEVICE_BATCH = 1 << 22         # the same on other devices (a copy costs little there),
 DEVICE_BUDGET = 1 << 25        # in blocks of at most this many values of a dtype (128 MiB
                                # of float32), reduced and refilled when full
+_HOST = [True]                 # False: CPU tensors take the device path (simulate_device)
+
+
+def simulate_device(on: bool) -> None:
+    """Tests and benchmarks: treat CPU tensors as a device's (blocks, queued reductions,
+    one transfer at the end of the step), so that a machine without a GPU runs and
+    counts the device path."""
+    _HOST[0] = not on
+
+
+def _on_host(dev: torch.device) -> bool:
+    return dev.type == "cpu" and _HOST[0]
 
 
 def flat_of(t: torch.Tensor) -> torch.Tensor:
@@ -111,30 +123,29 @@ class StepBatch:
         # the kernel reads the memory itself: plain strided CPU tensors (a parameter too)
         # only; a subclass, a fake tensor under tracing, a sparse or MKL-DNN tensor or a
         # negative view takes torch's path (and a strided view is made contiguous first)
-        if nb is not None and t.is_cpu and type(t) in _PLAIN and t.layout is _STRIDED \
+        if nb is not None and t.is_cpu and _HOST[0] and type(t) in _PLAIN \
+                and t.layout is _STRIDED \
                 and not t.is_neg() and t.numel() \
                 and nb.add(i, t if t.is_contiguous() else t.contiguous(),
                            t.shape if batch_dim is not None else None, batch_dim):
             self.rows.append(None)
             self.samples.append(None)
             return i
-        flat = flat_of(t)
-        acc = _ACC.get(flat.dtype, torch.float32)
-        n = flat.numel()
-        dev = flat.device
-        if dev.type == "cpu":
-            batch = self.cpu if 0 < n <= BATCH else None
-        elif 0 < n <= DEVICE_BATCH:
-            batch = self.on_device.get(dev)
-            if batch is None:
-                batch = self.on_device[dev] = TensorBatch(self.pool, dev, self.sample_size,
-                                                          DEVICE_BUDGET // CHUNK)
-        else:
-            batch = None
-        if batch is not None:
+        acc = _ACC.get(t.dtype, torch.float32)
+        n = t.numel()
+        dev = t.device
+        shape = t.shape if batch_dim is not None else None
+        if _batched_on_device(t, n):    # one op: a copy as it lies, into the step's block
             self.rows.append(None)
             self.samples.append(None)
-            batch.add(i, flat, acc, t.shape if batch_dim is not None else None, batch_dim)
+            self._device_batch(dev).add(i, t if _copied_as_is(t) else flat_of(t), acc, shape,
+                                        batch_dim)
+            return i
+        flat = flat_of(t)
+        if _on_host(dev) and 0 < n <= BATCH:
+            self.rows.append(None)
+            self.samples.append(None)
+            self.cpu.add(i, flat, acc, shape, batch_dim)
             return i
         norms = None
         if batch_dim is not None and t.dim() > 0:
@@ -142,7 +153,7 @@ class StepBatch:
         x = flat if flat.dtype == acc else flat.to(acc)
         if n == 0:
             row = [0, 0.0, 0.0, 0.0, math.nan, math.nan, 0, 0, 0]
-        elif x.device.type == "cpu":
+        elif _on_host(x.device):
             row = _cpu_row(x, norms)
         else:
             nan = torch.isnan(x).sum()
@@ -156,6 +167,30 @@ class StepBatch:
         self.samples.append(sample_of(x, sample) if sample and n else None)
         self.add_norms(i, norms)
         return i
+
+    def add_many(self, ts: list, sample: int) -> list:
+        """The rows of TS (no batch dimension), as `add` would give them; those batched on
+        a device are copied together (`TensorBatch.add_many`: one op, not one each)."""
+        rows, together = [], {}
+        for t in ts:
+            if _batched_on_device(t, t.numel()) and _copied_as_is(t):
+                rows.append(len(self.rows))
+                self.rows.append(None)
+                self.samples.append(None)
+                together.setdefault(t.device, []).append(
+                    (rows[-1], t, _ACC.get(t.dtype, torch.float32)))
+            else:
+                rows.append(self.add(t, sample))
+        for dev, items in together.items():
+            self._device_batch(dev).add_many(items)
+        return rows
+
+    def _device_batch(self, dev) -> TensorBatch:
+        batch = self.on_device.get(dev)
+        if batch is None:
+            batch = self.on_device[dev] = TensorBatch(self.pool, dev, self.sample_size,
+                                                      DEVICE_BUDGET // CHUNK)
+        return batch
 
     def add_norms(self, row: int, norms: Optional[torch.Tensor]) -> None:
         if norms is not None:
@@ -186,7 +221,7 @@ class StepBatch:
             cells, where = [], []
             for i in index:
                 row = self.rows[i]
-                if dev.type == "cpu":      # host numbers already
+                if not isinstance(row[1], torch.Tensor):      # host numbers already
                     fixed[i] = row
                     continue
                 for j, v in enumerate(row):
@@ -250,7 +285,7 @@ class StepBatch:
             extra = batch.tensors if batch is not None else []
             if not parts and not extra:
                 continue
-            if (parts or extra)[0].device.type == "cpu":
+            if not extra and parts[0].device.type == "cpu":
                 host = np.concatenate([p.numpy().astype(np.float64).reshape(-1) for p in parts])
             else:
                 if d.get("event") is not None:
@@ -319,6 +354,17 @@ class StepBatch:
             counts[rows], lo[rows], hi[rows], lengths[rows] = got, got_lo, got_hi, got_n
         return {"stats": desc, "hist": counts[:, 1:-1], "lo": lo, "hi": hi,
                 "below": counts[:, 0], "above": counts[:, -1], "sample_n": lengths}
+
+
+def _batched_on_device(t: torch.Tensor, n: int) -> bool:
+    """Whether T goes to its device's blocks (`tensorbatch`)."""
+    return 0 < n <= DEVICE_BATCH and not _on_host(t.device)
+
+
+def _copied_as_is(t: torch.Tensor) -> bool:
+    """Whether T is copied into a block as it lies (any strides, one op): plain strided
+    tensors; another kind (a subclass) is flattened first, as before."""
+    return type(t) in _PLAIN and t.layout is _STRIDED
 
 
 def _finite_or_0(a: np.ndarray) -> np.ndarray:

@@ -30,32 +30,35 @@ CHUNK = 1024                # columns of a block: a tensor starts on a fresh row
 _ROWS0 = 256                # the first block of a dtype: 1 MiB of float32
 _LAYOUTS: dict = {}         # (device, tensor rows and sizes, sample size) -> gather/scatter
 _LAYOUTS_MAX = 64           # indices (a step's layout repeats from step to step)
+_VIEWS_MAX = 4096           # views of one block kept for the next steps
+_no_grad = torch.no_grad
 
 
 class BlockPool:
-    """The recorder's blocks, between steps."""
+    """The recorder's blocks, between steps, each with its views (`TensorBatch._place`)."""
 
     def __init__(self):
-        self._free: list = []
+        self._free: list = []     # (block, its views)
         self._lock = threading.Lock()
         self.hint: dict = {}      # (device, dtype) -> most rows one step used so far
 
-    def take(self, dtype, rows: int, device=None, want: Optional[int] = None) -> torch.Tensor:
-        """A block of at least ROWS rows: WANT rows if new, by default what a step used so
-        far."""
+    def take(self, dtype, rows: int, device=None, want: Optional[int] = None) -> tuple:
+        """(block, its views) of at least ROWS rows: WANT rows if new, by default what a
+        step used so far."""
         device = torch.device(device or "cpu")
         rows = max(rows, self.hint.get((device, dtype), _ROWS0)) if want is None else want
         with self._lock:
-            for j, b in enumerate(self._free):
+            for j, (b, _) in enumerate(self._free):
                 if b.dtype == dtype and b.device == device and b.shape[0] >= rows:
                     return self._free.pop(j)
-        return torch.empty(rows, CHUNK, dtype=dtype, device=device)
+        return torch.empty(rows, CHUNK, dtype=dtype, device=device), {}
 
     def give(self, blocks: list) -> None:
+        """BLOCKS: (block, its views)."""
         with self._lock:
-            for b in blocks:    # smaller than a step now needs: let it go
+            for b, views in blocks:    # smaller than a step now needs: let it go
                 if b.shape[0] >= self.hint.get((b.device, b.dtype), 0) and len(self._free) < 4:
-                    self._free.append(b)
+                    self._free.append((b, views))
 
 
 class TensorBatch:
@@ -72,31 +75,66 @@ class TensorBatch:
         self.device = torch.device(device or "cpu")
         self.size = size          # sample size (what a rolled block gathers)
         self.roll_rows = roll_rows
-        self.blocks: list = []    # [block, dtype, rows used, block.view(-1)]
+        self.blocks: list = []    # [block, dtype, rows used, block.view(-1), its views]
         self.open: dict = {}      # dtype -> index in blocks being filled
         self.segs: list = []      # (stats row, block index, first row, numel, shape, batch_dim)
         self.numel = 0            # values copied so far
         self.rows: dict = {}      # dtype -> rows allocated this step
         self.rolled: Optional[DeviceStaged] = None
+        self._pending: list = []  # (block view, tensor): add_many's copies to make
 
     def __bool__(self):
         return bool(self.segs) or self.rolled is not None
 
-    def add(self, row: int, flat: torch.Tensor, dtype, shape=None,
+    def add(self, row: int, t: torch.Tensor, dtype, shape=None,
             batch_dim: Optional[int] = None) -> None:
-        """Copy FLAT (1-D, on this batch's device) now, as DTYPE; with BATCH_DIM its
-        per-sample norms too."""
-        n = flat.numel()
+        """Copy T (on this batch's device, any shape and strides) now, as DTYPE: one op;
+        with BATCH_DIM its per-sample norms too."""
+        dst = self._place(row, t.numel(), dtype, t.shape, shape, batch_dim)
+        with _no_grad():
+            dst.copy_(t)
+
+    def add_many(self, items) -> None:
+        """ITEMS: (row, tensor, dtype), copied as `add` does, in one `_foreach_copy_` per
+        pair of dtypes (a step's parameters and gradients: one launch, not one each)."""
+        for row, t, dtype in items:
+            self._pending.append((self._place(row, t.numel(), dtype, t.shape), t))
+        self._copy_pending()
+
+    def _copy_pending(self) -> None:
+        if not self._pending:
+            return
+        groups: dict = {}
+        for dst, t in self._pending:
+            groups.setdefault((dst.dtype, t.dtype), ([], []))
+            groups[(dst.dtype, t.dtype)][0].append(dst)
+            groups[(dst.dtype, t.dtype)][1].append(t)
+        self._pending = []
+        with _no_grad():
+            for dsts, srcs in groups.values():
+                torch._foreach_copy_(dsts, srcs)
+
+    def _place(self, row: int, n: int, dtype, view_shape, shape=None,
+               batch_dim: Optional[int] = None) -> torch.Tensor:
+        """The block rows of the next N values of DTYPE, as a view of VIEW_SHAPE: a
+        view made once per block, position and shape (a step's layout repeats from step
+        to step, so no view op is left in a step)."""
         k = -(-n // CHUNK)
         b = self.open.get(dtype)
         if b is None or self.blocks[b][2] + k > self.blocks[b][0].shape[0]:
             b = self.open[dtype] = self._block_for(dtype, k)
         blk = self.blocks[b]
         r0 = blk[2]
-        blk[3].narrow(0, r0 * CHUNK, n).copy_(flat)
         blk[2] = r0 + k
         self.segs.append((row, b, r0, n, shape, batch_dim))
         self.numel += n
+        views = blk[4]
+        dst = views.get((r0, view_shape))
+        if dst is None:
+            if len(views) >= _VIEWS_MAX:
+                views.clear()
+            dst = views[(r0, view_shape)] = blk[3].narrow(0, r0 * CHUNK, n).view(view_shape)
+        return dst
 
     def _block_for(self, dtype, k: int) -> int:
         """The block the next K rows of DTYPE go to: a new one, unless this step's blocks
@@ -112,13 +150,14 @@ class TensorBatch:
         want = None if not self.roll_rows else min(      # (None: the pool's hint)
             max(k, self.pool.hint.get((self.device, dtype), _ROWS0)),
             max(k, self.roll_rows - have))
-        blk = self.pool.take(dtype, k, self.device, want)
+        blk, views = self.pool.take(dtype, k, self.device, want)
         self.rows[dtype] = have + blk.shape[0]
-        self.blocks.append([blk, dtype, 0, blk.view(-1)])
+        self.blocks.append([blk, dtype, 0, blk.view(-1), views])
         return len(self.blocks) - 1
 
     def _roll(self, b: int) -> None:
         """Queue block B's reductions now (its values are overwritten after them)."""
+        self._copy_pending()
         segs = [s for s in self.segs if s[1] == b]
         blk = self.blocks[b]
         if segs:
@@ -130,7 +169,7 @@ class TensorBatch:
 
     def _note_use(self) -> None:
         used: dict = {}
-        for _, dtype, rows, _ in self.blocks:   # how much a step takes
+        for _, dtype, rows, *_ in self.blocks:   # how much a step takes
             used[dtype] = used.get(dtype, 0) + rows
         for dtype, rows in used.items():
             key = (self.device, dtype)
@@ -138,7 +177,7 @@ class TensorBatch:
                                       self.rows.get(dtype, 0) if self.rolled else 0)
 
     def _per_block(self):
-        for b, (blk, _, rows, _) in enumerate(self.blocks):
+        for b, (blk, _, rows, *_) in enumerate(self.blocks):
             segs = [s for s in self.segs if s[1] == b]
             if segs:
                 yield blk[:rows], segs
@@ -157,7 +196,7 @@ class TensorBatch:
         return staged
 
     def _give_back(self) -> None:
-        self.pool.give([blk[0] for blk in self.blocks])
+        self.pool.give([(blk[0], blk[4]) for blk in self.blocks])
         self.blocks, self.segs, self.open, self.rows, self.rolled = [], [], {}, {}, None
 
 
@@ -182,17 +221,30 @@ def _recounted(flat: torch.Tensor, segs: list, totals: np.ndarray) -> dict:
             for j in np.flatnonzero(~np.isfinite(totals))}
 
 
-def _sample_norms(flat: torch.Tensor, segs: list):
-    """(stats row, per-sample L2 norms) of each tensor in block FLAT copied with a batch
-    dimension."""
-    for s in segs:
-        if s[5] is not None and len(s[4]):
-            yield s[0], per_sample_norms(flat.narrow(0, s[2] * CHUNK, s[3]).view(s[4]), s[5])
+def _sample_norms(flat: torch.Tensor, segs: list, lay: "_Layout") -> tuple:
+    """The per-sample L2 norms of the tensors in block FLAT copied with a batch dimension:
+    ([tensors], [[(stats row, samples), ...] for each tensor]). Those batched along
+    their first dimension (each sample's values one after another) all at once, a fixed
+    handful of ops: the squares summed in pieces of at most CHUNK values (float32, as a
+    row of the block), the pieces then per sample in float64. Others one by one."""
+    parts, rows = [], []
+    if lay.norm_rows:
+        sq = flat.narrow(0, lay.norm_begin, lay.norm_end - lay.norm_begin).square()
+        pieces = torch.segment_reduce(sq, "sum", lengths=lay.norm_lengths, unsafe=True)
+        per_sample = torch.segment_reduce(pieces.index_select(0, lay.norm_pick).double(),
+                                          "sum", lengths=lay.norm_counts, unsafe=True)
+        parts.append(per_sample.sqrt_())
+        rows.append(lay.norm_rows)
+    for s in lay.norm_other:
+        x = per_sample_norms(flat.narrow(0, s[2] * CHUNK, s[3]).view(s[4]), s[5])
+        parts.append(x)
+        rows.append([(s[0], x.numel())])
+    return parts, rows
 
 
-def _row_stats(v: torch.Tensor, pad: torch.Tensor) -> list:
-    """[Σx, ‖x‖₂, min, max] of each row of block V, the padding (flat positions PAD)
-    left out: +inf for the min, -inf for the max, then 0 for the sums (and kept 0)."""
+def _row_extremes(v: torch.Tensor, pad: torch.Tensor) -> tuple:
+    """(min, max) of each row of block V, the padding (flat positions PAD) left out:
+    +inf for the min, -inf for the max, then 0 for the sums that follow (and kept 0)."""
     flat = v.view(-1)
     if len(pad):
         flat.index_fill_(0, pad, math.inf)
@@ -202,7 +254,7 @@ def _row_stats(v: torch.Tensor, pad: torch.Tensor) -> list:
         flat.index_fill_(0, pad, 0.0)
     else:
         lo, hi = v.amin(1), v.amax(1)
-    return [v.sum(1), torch.linalg.vector_norm(v, dim=1), lo, hi]
+    return lo, hi
 
 
 def _split_samples(segs, picked, size, samples) -> None:
@@ -230,28 +282,26 @@ class DeviceStaged:
         lay = _layout(segs, size, v.device)
         if size:
             self.tensors.append(flat.index_select(0, lay.gather))
-        norm_rows = []
-        for row, x in _sample_norms(flat, segs):
-            self.tensors.append(x)
-            norm_rows.append(row)
+        parts, norm_rows = _sample_norms(flat, segs, lay)
+        self.tensors += parts
         counts = []
         if rolled:
             if len(lay.pad):     # (what the block held before: not counted)
                 flat.index_fill_(0, lay.pad, 0.0)
             counts = [torch.isnan(v).sum(1), (v == math.inf).sum(1), (v == -math.inf).sum(1)]
             v.nan_to_num_(0.0, 0.0, 0.0)
-        s, norm, lo, hi = _row_stats(v, lay.pad)
-        # per row [Σx, Σx², Σ|x|, (NaN, +Inf, -Inf)], then min, max; added up per tensor
-        # here in float64 (what goes to the host is a few numbers a tensor, not a row)
-        per_row = torch.stack([s, norm, torch.linalg.vector_norm(v, 1, dim=1),
-                               *[c.to(v.dtype) for c in counts], lo, hi]).double()
-        per_row[1].square_()
-        c, owner = len(per_row) - 2, lay.owner      # owner: each row's tensor
-        out = torch.empty((c + 2, len(segs)), dtype=torch.float64, device=v.device)
-        out[:c].zero_().index_add_(1, owner, per_row[:c])
-        out[c].fill_(math.inf).scatter_reduce_(0, owner, per_row[c], "amin")
-        out[c + 1].fill_(-math.inf).scatter_reduce_(0, owner, per_row[c + 1], "amax")
-        self.tensors.append(out)
+        lo, hi = _row_extremes(v, lay.pad)
+        # per row [Σx, Σx², Σ|x|, (NaN, +Inf, -Inf)], then min and -max; added up per
+        # tensor here in float64, each tensor's rows one segment (what goes to the host
+        # is a few numbers a tensor, not a row)
+        per_row = torch.stack([v.sum(1), torch.linalg.vecdot(v, v),
+                               torch.linalg.vector_norm(v, 1, dim=1),
+                               *[c.to(v.dtype) for c in counts], lo, hi.neg()], 1).double()
+        c = per_row.shape[1] - 2
+        self.tensors.append(torch.segment_reduce(per_row[:, :c], "sum", lengths=lay.row_counts,
+                                                 unsafe=True))
+        self.tensors.append(torch.segment_reduce(per_row[:, c:], "min", lengths=lay.row_counts,
+                                                 unsafe=True))
         self.blocks.append((v, segs, size, lay, norm_rows, rolled))
 
     def finish(self, host: list, stats: np.ndarray, samples: dict, norms: dict) -> None:
@@ -263,15 +313,19 @@ class DeviceStaged:
                 if size:
                     _split_samples(segs, host[k], size, samples)
                     k += 1
-                for row in norm_rows:
-                    norms[row] = host[k].astype(np.float32)
+                for rows in norm_rows:      # (stats row, samples) of each part
+                    o = 0
+                    for row, m in rows:
+                        norms[row] = host[k][o:o + m].astype(np.float32)
+                        o += m
                     k += 1
-                # [Σx, Σx², Σ|x|, (NaN, +Inf, -Inf), min, max] per tensor
-                per_tensor = host[k].reshape(-1, len(segs))
-                k += 1
-                s, sumsq, absum = per_tensor[:3]
-                put_rows(stats, lay.rows, lay.n, s, absum, sumsq, *per_tensor[-2:],
-                         per_tensor[3:6] if rolled else None)
+                # [Σx, Σx², Σ|x|, (NaN, +Inf, -Inf)] and [min, -max] per tensor
+                totals = host[k].reshape(len(segs), -1).T
+                least = host[k + 1].reshape(len(segs), 2).T
+                k += 2
+                s, sumsq, absum = totals[:3]
+                put_rows(stats, lay.rows, lay.n, s, absum, sumsq, least[0], -least[1],
+                         totals[3:6] if rolled else None)
                 if not rolled:     # (a refilled block's copy is gone: counted before)
                     for row, values in _recounted(v.view(-1), segs, s).items():
                         stats[row] = values
@@ -282,10 +336,12 @@ class DeviceStaged:
 class _Layout:
     """Where a block's tensors lie (cached per layout): on the block's device the flat
     positions of every sample (`gather`) and of the padding after each tensor (`pad`),
-    and which tensor each row holds (`owner`); on the host each tensor's first block row
-    (`r0`), stats row (`rows`) and size (`n`)."""
+    and how many rows each tensor takes (`row_counts`); on the host each tensor's first block row
+    (`r0`), stats row (`rows`) and size (`n`); and the pieces of the per-sample norms
+    (`_sample_norms`, `_norm_pieces`)."""
 
-    __slots__ = ("gather", "pad", "r0", "rows", "n", "owner")
+    __slots__ = ("gather", "pad", "r0", "rows", "n", "row_counts", "norm_begin", "norm_end",
+                 "norm_lengths", "norm_pick", "norm_counts", "norm_rows", "norm_other")
 
     def __init__(self, segs: list, size: int, device):
         gather = [torch.arange(n) + r0 * CHUNK if n <= size
@@ -297,13 +353,48 @@ class _Layout:
         self.rows = np.array([s[0] for s in segs], np.int64)
         self.r0 = np.array([s[2] for s in segs], np.int64)
         self.n = np.array([s[3] for s in segs], np.int64)
-        self.owner = torch.repeat_interleave(      # each block row's tensor (0, 1, ...)
-            torch.arange(len(segs)), torch.tensor([-(-s[3] // CHUNK) for s in segs],
-                                                  dtype=torch.long)).to(device)
+        self.row_counts = torch.tensor([-(-s[3] // CHUNK) for s in segs],
+                                       dtype=torch.long).to(device)
+        _norm_pieces(self, segs, device)
+
+
+def _norm_pieces(lay: _Layout, segs: list, device) -> None:
+    """Where `_sample_norms` cuts: from the first to the last value of the tensors
+    batched along their first dimension (`norm_begin`, `norm_end`), the lengths of the
+    pieces (each sample's values in pieces of at most CHUNK, and what lies between two
+    such tensors as one piece), which pieces are samples' (`norm_pick`) and how many
+    make each sample (`norm_counts`); the other tensors with a batch dimension
+    (`norm_other`)."""
+    lengths, pick, counts = [], [], []
+    lay.norm_rows, lay.norm_other = [], []
+    lay.norm_begin = lay.norm_end = 0
+    for s in sorted(segs, key=lambda s: s[2]):
+        row, _, r0, n, shape, bd = s
+        if bd is None or not shape:
+            continue
+        if bd % len(shape) or not shape[0]:
+            lay.norm_other.append(s)
+            continue
+        start = r0 * CHUNK
+        if not lay.norm_rows:
+            lay.norm_begin = lay.norm_end = start
+        if start > lay.norm_end:          # the tensors in between: one piece, not read
+            lengths.append(start - lay.norm_end)
+        inner = n // shape[0]
+        full, rest = divmod(inner, CHUNK)
+        one = [CHUNK] * full + ([rest] if rest else [])   # a sample's pieces
+        pick.append(np.arange(len(lengths), len(lengths) + len(one) * shape[0]))
+        lengths += one * shape[0]
+        counts += [len(one)] * shape[0]
+        lay.norm_rows.append((row, shape[0]))
+        lay.norm_end = start + n
+    as_long = lambda x: torch.as_tensor(np.asarray(x, np.int64)).to(device)  # noqa: E731
+    lay.norm_lengths, lay.norm_counts = as_long(lengths), as_long(counts)
+    lay.norm_pick = as_long(np.concatenate(pick) if pick else [])
 
 
 def _layout(segs: list, size: int, device) -> _Layout:
-    key = (device, size, tuple(s[:4:2] + s[3:4] for s in segs))
+    key = (device, size, tuple((s[0], s[2], s[3], s[4], s[5]) for s in segs))
     got = _LAYOUTS.get(key)
     if got is None:
         got = _Layout(segs, size, device)    # (once per layout: copies to the device)

@@ -20,12 +20,7 @@ from mldebug.core.errors import UsageError
 from mldebug.record import Capture, native, open_run
 from mldebug.record.timeline import compare, timeline
 
-from conftest import clean_env, needs_cuda, run_cli
-
-# the recorder's host and device paths (the watch's `cpu-as-device` case is not one)
-on_each_device = pytest.mark.parametrize(
-    "device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
-
+from conftest import clean_env, run_cli
 
 def _without_kernel(monkeypatch):
     """The CPU's torch and numpy path, as on a machine without a C compiler."""
@@ -89,7 +84,6 @@ def check_row(row, t):
     assert row["nan"] == row["posinf"] == row["neginf"] == 0
 
 
-@on_each_device
 def test_recorded_stats_match_torch(tmp_path, device, cpu_path):
     model = make_mlp(device=device)
     data = batches(4, device=device)
@@ -150,7 +144,6 @@ def test_every_records_only_those_steps_and_unrecorded_steps_have_no_module_hook
         assert [s for s, _ in run.scalars("loss")["loss"]] == list(range(7))
 
 
-@on_each_device
 def test_recording_never_changes_training(tmp_path, device):
     plain = train(make_mlp(device=device), batches(6, device=device))
     model = make_mlp(device=device)
@@ -185,7 +178,6 @@ def test_close_removes_every_hook_also_on_exception(tmp_path):
         assert run.steps() == [0]          # the step in progress was written at close
 
 
-@on_each_device
 def test_captures_store_full_tensors_with_reductions(tmp_path, device):
     model = make_mlp(device=device)
     x1, x2 = torch.randn(5, 8, device=device), torch.randn(5, 8, device=device)

@@ -1,0 +1,125 @@
+"""Issue 22's recorder on a GPU, counted on the CPU standing in for the device
+(`record.stats.simulate_device`): a recorded step's extra ops grow by at most one copy a
+recorded module output or output gradient, and not at all with the number of parameters
+(their values and gradients are copied by one `_foreach_copy_`); the step's reductions
+are a fixed handful of ops per block, whatever the number of tensors in it."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.profiler import profile
+
+import mldebug
+from mldebug.record import stats
+from mldebug.record.tensorbatch import BlockPool, TensorBatch, per_sample_norms
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from opcount import count_step  # noqa: E402
+
+
+def mlp(layers: int) -> nn.Module:
+    torch.manual_seed(0)
+    mods = [nn.Linear(16, 32), nn.ReLU()]
+    for _ in range(layers - 2):
+        mods += [nn.Linear(32, 32), nn.ReLU()]
+    return nn.Sequential(*mods, nn.Linear(32, 4))
+
+
+def extra_ops(layers: int, log, tmp_path) -> int:
+    """Aten ops a recorded step adds on the device path (one healthy SGD step)."""
+    out = []
+    for recorded in (False, True):
+        model = mlp(layers)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+
+        def step():
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+        rec = mldebug.record(model, log=log, run_dir=tmp_path, run=f"r{layers}") \
+            if recorded else None
+        stats.simulate_device(recorded)
+        try:
+            ops, reads = count_step(step)
+        finally:
+            stats.simulate_device(False)
+            if rec is not None:
+                rec.close()
+        assert reads == 0 or not recorded or out[0][1] == reads
+        out.append((sum(ops.values()), reads))
+    return out[1][0] - out[0][0]
+
+
+def test_parameters_and_their_gradients_cost_the_same_ops_however_many(tmp_path):
+    small = extra_ops(2, ("params", "params_grad"), tmp_path)
+    large = extra_ops(12, ("params", "params_grad"), tmp_path)
+    # 6 parameters and gradients against 26: the same copy and the same reductions
+    assert large == small, (small, large)
+
+
+def test_module_outputs_and_their_gradients_cost_at_most_one_copy_each(tmp_path):
+    small = extra_ops(2, ("io", "io_grad"), tmp_path)
+    large = extra_ops(12, ("io", "io_grad"), tmp_path)
+    added = 20          # ten more Linear + ReLU: their outputs and output gradients
+    assert 0 < large - small <= 2 * added, (small, large)
+
+
+def _stage_ops(tensors) -> int:
+    """Top-level aten ops of a step's `stage` and `finish`, the second time this layout
+    is seen (its indices are made once and kept, as from step to step)."""
+    pool = BlockPool()
+    for _ in range(2):
+        b = TensorBatch(pool, "cpu", 64)
+        for i, (t, bd) in enumerate(tensors):
+            b.add(i, t, torch.float32, t.shape if bd is not None else None, bd)
+        with profile() as prof:
+            st = b.stage(64)
+        st.finish([x.double().numpy().reshape(-1) for x in st.tensors],
+                  np.zeros((len(tensors), 9)), {}, {})
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
+
+
+def test_a_blocks_reductions_and_norms_take_the_same_ops_for_5_tensors_or_50():
+    g = torch.Generator().manual_seed(0)
+
+    def tensors(k):
+        return [(torch.randn(4, 3 + j, generator=g), 0 if j % 2 else None) for j in range(k)]
+
+    assert _stage_ops(tensors(5)) == _stage_ops(tensors(50))
+
+
+def test_the_device_batch_copies_any_layout_and_takes_each_samples_norm():
+    """Copied as they lie (a transposed view, bfloat16, samples longer than a block row),
+    in one op each or one for all (`add_many`); norms along the first dimension at once,
+    along another one by one: each as torch computes it."""
+    g = torch.Generator().manual_seed(2)
+    cases = [(torch.randn(6, 300, generator=g).T, 0),           # not contiguous
+             (torch.randn(3, 2500, generator=g), 0),            # 3 rows a sample
+             (torch.randn(4, 5, 6, generator=g), 1),            # samples interleaved
+             (torch.randn(8, 3, generator=g).bfloat16(), 0),
+             (torch.randn(7, generator=g), None),
+             (torch.randn(2, 1024, generator=g), 0)]            # exactly a row a sample
+    together = [torch.randn(33, 5, generator=g), torch.randn(5, 4, generator=g).T]
+    b = TensorBatch(BlockPool(), "cpu", 50)
+    for i, (t, bd) in enumerate(cases):
+        b.add(i, t, torch.float32, t.shape if bd is not None else None, bd)
+    b.add_many([(len(cases) + j, t, torch.float32) for j, t in enumerate(together)])
+    st = b.stage(50)
+    rows, samples, norms = np.zeros((len(cases) + 2, 9)), {}, {}
+    st.finish([x.double().numpy().reshape(-1) for x in st.tensors], rows, samples, norms)
+    everything = [t for t, _ in cases] + together
+    for i, t in enumerate(everything):
+        x = t.double().reshape(-1)
+        np.testing.assert_allclose(rows[i, :6], [x.numel(), x.sum(), x.abs().sum(),
+                                                 x.square().sum(), x.min(), x.max()],
+                                   rtol=1e-5, atol=1e-5)
+    assert norms.keys() == {0, 1, 2, 3, 5}
+    for i in norms:
+        t, bd = cases[i]
+        np.testing.assert_allclose(norms[i], per_sample_norms(t, bd).numpy(), rtol=1e-5)
