@@ -183,6 +183,10 @@ class Recorder(CaptureHooks, StepWriting):
         self._notes: list = []
         self._last_flush = time.monotonic()
         self._warned: set = set()
+        # on a device, io series seen unchanged from when they are recorded to the step's
+        # end wait for it (`_add_io`); those seen changed in place are copied when seen
+        self._unchanged: set = set()
+        self._copy_now: set = set()
         self._reset_step()
         if note:
             self._notes.append((0, time.time(), note))
@@ -280,6 +284,8 @@ class Recorder(CaptureHooks, StepWriting):
                                        self._host_pool)
         self._entries: list = []      # (series key, meta, call, row)
         self._seen: dict = {}         # id(tensor) -> (weakref, version, row)
+        self._copied: list = []       # (tensor or weakref, version, row): io copied when
+        self._copied_numel = 0        # seen (`_add_io`), and their values
         self._grads: dict = {}        # id(tensor) -> (weakref, [targets])
         self._thooks: list = []       # tensor hook handles
         self._calls: dict = {}        # module path -> invocations this step
@@ -408,18 +414,63 @@ class Recorder(CaptureHooks, StepWriting):
                                                      f"{path}:{kind}_grad[{i}]", kind + "_grad")
         if "io" in self.log:
             self._entries.append((keys[0], (path, kind, i, "", t.shape, t.dtype), call,
-                                  self._row_of(t)))
+                                  self._row_of(t, keys[0])))
         if "io_grad" in self.log and t.requires_grad:
             self._watch_grad(t, (keys[1], (path, keys[2], i, "", t.shape, t.dtype), call))
 
-    def _row_of(self, t: torch.Tensor) -> int:
+    def _row_of(self, t: torch.Tensor, key: str) -> int:
         """Row of T now; the same tensor at the same version is computed once a step."""
         seen = self._seen.get(id(t))
         if seen is not None and seen[0]() is t and seen[1] == t._version:
             return seen[2]
-        row = self._batch.add(t, self.sample)
+        row = self._add_io(t, (key,))
         self._seen[id(t)] = (weakref.ref(t), t._version, row)
         return row
+
+    def _add_io(self, t: torch.Tensor, keys, batch_dim: Optional[int] = None) -> int:
+        """Row of module input, output or output gradient T (series KEYS). On a device its
+        copy waits for the step's end, one op for all (`StepBatch.hold`), once a recorded
+        step has shown that the program does not change it in place after it is recorded
+        (it does after a BatchNorm followed by ReLU(inplace=True), with `out += identity`,
+        in a hook): until then, and for those it changes, a copy when seen."""
+        if not _stats.defers(t):
+            return self._batch.add(t, self.sample, batch_dim)
+        if self._copy_now.isdisjoint(keys) and self._unchanged.issuperset(keys):
+            return self._batch.hold(t, self.sample, batch_dim)
+        row = self._batch.add(t, self.sample, batch_dim)
+        if self._copy_now.isdisjoint(keys):
+            # kept alive to the step's end, within the blocks' budget, to see whether it
+            # changes (a gradient is let go as soon as autograd has used it); beyond the
+            # budget a weak reference: one gone by then is learned on a later step
+            self._copied_numel += t.numel()
+            keep = t if self._copied_numel <= _stats.DEVICE_BUDGET else weakref.ref(t)
+            self._copied.append((keep, t._version, row))
+        return row
+
+    def _learn_copies(self, entries: list, lost: set, copied: list) -> list:
+        """At a recorded step's end: which series' tensors (COPIED: as `_add_io` kept them)
+        stayed as recorded (held from now on) and which changed in place (copied when
+        seen); ENTRIES without the rows held and then changed (LOST: not recorded on this
+        step, said once)."""
+        same, changed = set(), set(lost)
+        for keep, version, row in copied:
+            t = keep() if isinstance(keep, weakref.ref) else keep
+            if t is not None:
+                (same if t._version == version else changed).add(row)
+        if same:
+            self._unchanged.update(e[0] for e in entries if e[3] in same)
+        if not changed:
+            return entries
+        self._copy_now.update(e[0] for e in entries if e[3] in changed)
+        if not lost:
+            return entries
+        gone = sorted({e[0] for e in entries if e[3] in lost})
+        warnings.warn(f"mldebug.record: {', '.join(gone[:3])}{' ...' if len(gone) > 3 else ''} "
+                      f"changed in place (or could not be read) after it was recorded on "
+                      f"step {self.step_index}: not recorded on that step; from now on "
+                      "copied when seen",
+                      RuntimeWarning, stacklevel=2)
+        return [e for e in entries if e[3] not in lost]
 
     def _watch_grad(self, t: torch.Tensor, target: tuple) -> None:
         got = self._grads.get(id(t))
@@ -441,7 +492,7 @@ class Recorder(CaptureHooks, StepWriting):
             return None
         try:
             with own_work(), self._lock:
-                row = self._batch.add(grad, self.sample, self.batch_dim)
+                row = self._add_io(grad, [target[0] for target in targets], self.batch_dim)
                 for key, meta, call in targets:
                     self._entries.append((key, meta, call, row))
         except Exception as exc:  # noqa: BLE001
@@ -483,8 +534,9 @@ class Recorder(CaptureHooks, StepWriting):
             call = self._calls.get(("tensor", name), 0)
             self._calls[("tensor", name)] = call + 1
             with own_work():
-                self._entries.append((f"{name}:tensor", ("", "tensor", 0, name, t.shape,
-                                                         t.dtype, role), call, self._row_of(t)))
+                key = f"{name}:tensor"
+                self._entries.append((key, ("", "tensor", 0, name, t.shape, t.dtype, role),
+                                      call, self._row_of(t, key)))
         except Exception as exc:  # noqa: BLE001
             self._warn(f"log_tensor {name}", exc)
 

@@ -103,6 +103,7 @@ class StepBatch:
         self.cpu = HostBatch(self.host_pool)
         self.native = self._native_batch()
         self.on_device: dict = {}   # device -> TensorBatch
+        self.lost: set = set()      # after `stage`: rows `hold` could not copy
 
     def _native_batch(self) -> Optional[NativeBatch]:
         k = native.kernel()
@@ -168,12 +169,29 @@ class StepBatch:
         self.add_norms(i, norms)
         return i
 
+    def hold(self, t: torch.Tensor, sample: int, batch_dim: Optional[int] = None) -> int:
+        """As `add`; on a device the copy waits for the step's end, one op for all the
+        tensors held (`TensorBatch.hold`): for tensors the caller expects unchanged until
+        then. One changed in place meanwhile is not recorded: its row is in `lost` after
+        `stage`."""
+        if not defers(t):
+            return self.add(t, sample, batch_dim)
+        if batch_dim is not None and not -t.dim() <= batch_dim < t.dim():
+            batch_dim = None
+        i = len(self.rows)
+        self.rows.append(None)
+        self.samples.append(None)
+        self._device_batch(t.device).hold(i, t, _ACC.get(t.dtype, torch.float32),
+                                          t.shape if batch_dim is not None else None,
+                                          batch_dim)
+        return i
+
     def add_many(self, ts: list, sample: int) -> list:
         """The rows of TS (no batch dimension), as `add` would give them; those batched on
         a device are copied together (`TensorBatch.add_many`: one op, not one each)."""
         rows, together = [], {}
         for t in ts:
-            if _batched_on_device(t, t.numel()) and _copied_as_is(t):
+            if defers(t):
                 rows.append(len(self.rows))
                 self.rows.append(None)
                 self.samples.append(None)
@@ -214,6 +232,7 @@ class StepBatch:
             by_device.setdefault(dev, [])
         # the device batches' reductions, queued before each device's event
         batches = {dev: b.stage(self.sample_size) for dev, b in self.on_device.items() if b}
+        self.lost = set().union(*(b.lost for b in self.on_device.values()))
         for dev in batches:
             by_device.setdefault(dev, [])
         staged = []
@@ -290,7 +309,7 @@ class StepBatch:
             else:
                 if d.get("event") is not None:
                     d["event"].synchronize()
-                host = torch.cat([p.double().reshape(-1) for p in parts + extra]).cpu().numpy()
+                host = torch.cat([_flat64(p) for p in parts + extra]).cpu().numpy()
             if extra:      # the device batch's part of the transfer, at its end
                 o = host.size - sum(x.numel() for x in extra)
                 arrays = []
@@ -361,10 +380,22 @@ def _batched_on_device(t: torch.Tensor, n: int) -> bool:
     return 0 < n <= DEVICE_BATCH and not _on_host(t.device)
 
 
+def defers(t: torch.Tensor) -> bool:
+    """Whether T's copy can wait (`StepBatch.hold`): a plain tensor on a device."""
+    return _batched_on_device(t, t.numel()) and _copied_as_is(t)
+
+
 def _copied_as_is(t: torch.Tensor) -> bool:
     """Whether T is copied into a block as it lies (any strides, one op): plain strided
     tensors; another kind (a subclass) is flattened first, as before."""
     return type(t) in _PLAIN and t.layout is _STRIDED
+
+
+def _flat64(x: torch.Tensor) -> torch.Tensor:
+    """X as 1-D float64, without an op where it is so already (on a GPU every op counts)."""
+    if x.dtype is not torch.float64:
+        x = x.double()
+    return x if x.dim() == 1 else x.reshape(-1)
 
 
 def _finite_or_0(a: np.ndarray) -> np.ndarray:

@@ -19,11 +19,13 @@ class StepWriting:
             self._record_params()
         with self._lock:
             entries, batch, caps = self._entries, self._batch, self._cap_store
+            copied = self._copied
             self._tensor_hooks_off()
             self._reset_step()
         with own_work():
             staged = batch.stage() if entries else None   # no host transfer here
             caps = self._stage_captures(caps)
+        entries = self._learn_copies(entries, batch.lost, copied)
         scalars, self._scalars = self._scalars, []
         notes, self._notes = self._notes, []
         self._last_flush = time.monotonic()

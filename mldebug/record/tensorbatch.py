@@ -81,7 +81,8 @@ class TensorBatch:
         self.numel = 0            # values copied so far
         self.rows: dict = {}      # dtype -> rows allocated this step
         self.rolled: Optional[DeviceStaged] = None
-        self._pending: list = []  # (block view, tensor): add_many's copies to make
+        self._pending: list = []  # (block view, tensor, its version, row): copies to make
+        self.lost: set = set()    # rows held and changed before their copy (`hold`)
 
     def __bool__(self):
         return bool(self.segs) or self.rolled is not None
@@ -98,21 +99,47 @@ class TensorBatch:
         """ITEMS: (row, tensor, dtype), copied as `add` does, in one `_foreach_copy_` per
         pair of dtypes (a step's parameters and gradients: one launch, not one each)."""
         for row, t, dtype in items:
-            self._pending.append((self._place(row, t.numel(), dtype, t.shape), t))
+            self.hold(row, t, dtype)
         self._copy_pending()
+
+    def hold(self, row: int, t: torch.Tensor, dtype, shape=None,
+             batch_dim: Optional[int] = None) -> None:
+        """As `add`, but the copy waits, with those of the other tensors held, for one
+        `_foreach_copy_` at the step's end (`stage`) or when its block is full (`_roll`:
+        so what is held is bounded as the blocks are). T is kept alive until then; if
+        it has changed in place by then (its version moved) or its memory was let go,
+        it is not copied and its row is in `lost`."""
+        dst = self._place(row, t.numel(), dtype, t.shape, shape, batch_dim)
+        self._pending.append((dst, t, t._version, row))
 
     def _copy_pending(self) -> None:
         if not self._pending:
             return
         groups: dict = {}
-        for dst, t in self._pending:
-            groups.setdefault((dst.dtype, t.dtype), ([], []))
-            groups[(dst.dtype, t.dtype)][0].append(dst)
-            groups[(dst.dtype, t.dtype)][1].append(t)
+        for dst, t, version, row in self._pending:
+            if t._version != version or not t.untyped_storage().nbytes():
+                self.lost.add(row)
+                continue
+            dsts, srcs, rows = groups.setdefault((dst.dtype, t.dtype), ([], [], []))
+            dsts.append(dst)
+            srcs.append(t)
+            rows.append(row)
         self._pending = []
         with _no_grad():
-            for dsts, srcs in groups.values():
-                torch._foreach_copy_(dsts, srcs)
+            for dsts, srcs, rows in groups.values():
+                try:
+                    torch._foreach_copy_(dsts, srcs)
+                except RuntimeError:
+                    self._copy_one_by_one(dsts, srcs, rows)
+
+    def _copy_one_by_one(self, dsts: list, srcs: list, rows: list) -> None:
+        """A held tensor that cannot be read (a CUDA graph's output overwritten by a later
+        replay raises on access): the others copied, its row lost."""
+        for dst, t, row in zip(dsts, srcs, rows):
+            try:
+                dst.copy_(t)
+            except RuntimeError:
+                self.lost.add(row)
 
     def _place(self, row: int, n: int, dtype, view_shape, shape=None,
                batch_dim: Optional[int] = None) -> torch.Tensor:
@@ -186,6 +213,7 @@ class TensorBatch:
         """Another device: queue every reduction (no read); the result's `tensors` go to
         the host with the step's one transfer, then its `finish` fills the rows."""
         self._note_use()
+        self._copy_pending()
         staged = self.rolled if self.rolled is not None else DeviceStaged(self)
         try:
             for v, segs in self._per_block():
