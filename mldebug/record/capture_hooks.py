@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..core import replay as _replay
+from ..core.compile import compiling as _compiling
 from ..core.quiet import own_work
 from ..core.structs import tensors_in as _tensors
 from .capture_spec import Capture
@@ -15,6 +16,9 @@ class CaptureHooks:
 
     def _make_pre(self, path: str, cap: Capture):
         def hook(module, args):
+            if _compiling():       # dynamo traces this call: nothing of ours in its graph
+                self._in_compiled = True
+                return None
             if _replay.active() or (self.training_only and not module.training):
                 return None  # (a watch's re-run of the call is not a new invocation)
             self._capture(path, cap, module, args)
@@ -23,6 +27,9 @@ class CaptureHooks:
 
     def _make_cap(self, path: str, cap: Capture):
         def hook(module, args, output):
+            if _compiling():
+                self._in_compiled = True
+                return None
             if _replay.active() or (self.training_only and not module.training):
                 return None  # (a watch's re-run of the call is not a new invocation)
             if self.condition is not None:

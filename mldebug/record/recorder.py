@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.optim import optimizer as _optim_hooks
 
 from ..core import replay as _replay
+from ..core.compile import compiling as _compiling
 from ..core.ranks import this_rank
 from ..core.errors import UsageError
 from ..core.quiet import own_work
@@ -187,6 +188,7 @@ class Recorder(CaptureHooks, StepWriting):
         # end wait for it (`_add_io`); those seen changed in place are copied when seen
         self._unchanged: set = set()
         self._copy_now: set = set()
+        self._in_compiled = False      # a module hook ran inside torch.compile's tracing
         self._reset_step()
         if note:
             self._notes.append((0, time.time(), note))
@@ -377,6 +379,7 @@ class Recorder(CaptureHooks, StepWriting):
         return None
 
     def _root_pre(self, module, args):
+        # (under torch.compile dynamo replays this attribute's store after the graph)
         self._after_step = False
         return None
 
@@ -388,6 +391,9 @@ class Recorder(CaptureHooks, StepWriting):
     # -- forward / backward hooks --------------------------------------------------------
     def _make_fwd(self, path: str):
         def hook(module, args, output):
+            if _compiling():       # dynamo traces this call: nothing of ours in its graph
+                self._in_compiled = True
+                return None
             if _replay.active() or (self.training_only and not module.training):
                 return None  # (a watch's re-run of the call is not a new invocation)
             try:

@@ -3,6 +3,7 @@ handed to the store's writer thread (methods of `Recorder`)."""
 from __future__ import annotations
 
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -15,6 +16,15 @@ class StepWriting:
 
     def _finish_step(self) -> None:
         step = self.step_index
+        if self._in_compiled and "compiled" not in self._warned:
+            self._warned.add("compiled")
+            warnings.warn(
+                "mldebug.record: the model runs under torch.compile: the inputs, outputs and "
+                "gradients of the modules inside its compiled graph are not recorded (a "
+                "hook there would break the graph); parameters and their gradients are, "
+                "and the compiled module's own inputs and outputs when it is the module "
+                "recorded. Record the uncompiled model to see every module, or "
+                "mldebug.log_tensor what you need.", RuntimeWarning, stacklevel=3)
         if not self._params_done and self.model is not None:
             self._record_params()
         with self._lock:

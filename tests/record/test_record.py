@@ -819,3 +819,47 @@ def test_each_rank_of_a_job_records_to_its_own_run_with_its_rank(tmp_path, monke
     assert "  [rank 1] exp-rank1 " in format_runs(str(tmp_path))
     t = timeline(str(tmp_path / "exp-rank1.sqlite"))
     assert (t["rank"], t["world_size"]) == (1, 2)
+
+
+def test_a_compiled_model_is_recorded_without_breaking_its_graph(tmp_path):
+    """Under torch.compile the recorder's module hooks return at once while dynamo traces
+    (no graph break, no recompilation): the parameters and their gradients are recorded,
+    the compiled module's own inputs and outputs when it is what is recorded, and a
+    warning says once what is not (the modules inside the graph)."""
+    import warnings
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    model = make_mlp()
+    compiled = torch.compile(model)
+    expected = []
+
+    def step_on(x, y):
+        opt.zero_grad()
+        nn.functional.cross_entropy(compiled(x), y).backward()
+        expected.append(model[2].weight.grad.clone())
+        opt.step()
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    keys = {}
+    for recorded in (model, compiled):
+        counters.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with mldebug.record(recorded, run_dir=tmp_path, run="c") as rec:
+                for x, y in batches(3):
+                    step_on(x, y)
+        ours = [str(w.message) for w in caught if "mldebug.record" in str(w.message)]
+        assert len(ours) == 1 and "torch.compile" in ours[0], ours
+        with open_run(rec.path) as run:
+            assert run.steps() == [0, 1, 2]
+            keys[recorded is compiled] = {s["key"] for s in run.series()}
+            for i, row in enumerate(run.stats("2.weight:param_grad")):
+                check_row(row, expected[-3 + i])
+        # one graph for the model with this recorder's hooks on (dynamo guards on them)
+        assert dict(counters["graph_break"]) == {}
+        assert counters["stats"]["unique_graphs"] == 1
+    params = {f"{m}.{p}:{k}" for m in (0, 2) for p in ("weight", "bias")
+              for k in ("param", "param_grad")}
+    assert keys[False] == params
+    assert keys[True] == params | {":input[0]", ":output[0]", ":output_grad[0]"}
