@@ -199,8 +199,10 @@ class StepBatch:
                     (rows[-1], t, _ACC.get(t.dtype, torch.float32)))
             else:
                 rows.append(self.add(t, sample))
-        for dev, items in together.items():
-            self._device_batch(dev).add_many(items)
+        for dev in together:
+            self._device_batch(dev)
+        for dev, batch in self.on_device.items():   # (what `hold` kept is copied too,
+            batch.add_many(together.get(dev, []))   # before the optimizer changes it)
         return rows
 
     def _device_batch(self, dev) -> TensorBatch:

@@ -105,7 +105,8 @@ class TensorBatch:
     def hold(self, row: int, t: torch.Tensor, dtype, shape=None,
              batch_dim: Optional[int] = None) -> None:
         """As `add`, but the copy waits, with those of the other tensors held, for one
-        `_foreach_copy_` at the step's end (`stage`) or when its block is full (`_roll`:
+        `_foreach_copy_`: with the parameters' before the optimizer changes anything
+        (`add_many`), at the step's end (`stage`), or when its block is full (`_roll`:
         so what is held is bounded as the blocks are). T is kept alive until then; if
         it has changed in place by then (its version moved) or its memory was let go,
         it is not copied and its row is in `lost`."""
