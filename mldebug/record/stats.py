@@ -104,6 +104,7 @@ class StepBatch:
         self.native = self._native_batch()
         self.on_device: dict = {}   # device -> TensorBatch
         self.lost: set = set()      # after `stage`: rows `hold` could not copy
+        self.twins: list = []       # (row, twin row): the recorder's check (`_twins_of`)
 
     def _native_batch(self) -> Optional[NativeBatch]:
         k = native.kernel()
@@ -385,6 +386,17 @@ def _batched_on_device(t: torch.Tensor, n: int) -> bool:
 def defers(t: torch.Tensor) -> bool:
     """Whether T's copy can wait (`StepBatch.hold`): a plain tensor on a device."""
     return _batched_on_device(t, t.numel()) and _copied_as_is(t)
+
+
+def holds_well(t: torch.Tensor) -> bool:
+    """Whether holding T until the step's end costs no more memory than its copy would
+    and its copy may wait: not a small view of a larger storage (which it would keep
+    alive), and on a GPU made on the default stream (a copy made later on another stream
+    would not wait for it)."""
+    if t.untyped_storage().nbytes() > 2 * t.numel() * t.element_size():
+        return False
+    return t.device.type != "cuda" or \
+        torch.cuda.current_stream(t.device) == torch.cuda.default_stream(t.device)
 
 
 def _copied_as_is(t: torch.Tensor) -> bool:

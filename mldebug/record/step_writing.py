@@ -3,7 +3,6 @@ handed to the store's writer thread (methods of `Recorder`)."""
 from __future__ import annotations
 
 import time
-import warnings
 
 import numpy as np
 import torch
@@ -18,13 +17,13 @@ class StepWriting:
         step = self.step_index
         if self._in_compiled and "compiled" not in self._warned:
             self._warned.add("compiled")
-            warnings.warn(
+            self._say(
                 "mldebug.record: the model runs under torch.compile: the inputs, outputs and "
                 "gradients of the modules inside its compiled graph are not recorded (a "
                 "hook there would break the graph); parameters and their gradients are, "
                 "and the compiled module's own inputs and outputs when it is the module "
                 "recorded. Record the uncompiled model to see every module, or "
-                "mldebug.log_tensor what you need.", RuntimeWarning, stacklevel=3)
+                "mldebug.log_tensor what you need.")
         if not self._params_done and self.model is not None:
             self._record_params()
         with self._lock:
@@ -33,9 +32,10 @@ class StepWriting:
             self._tensor_hooks_off()
             self._reset_step()
         with own_work():
+            changed, batch.twins = self._twins_of(batch, copied) if entries else (set(), [])
             staged = batch.stage() if entries else None   # no host transfer here
             caps = self._stage_captures(caps)
-        entries = self._learn_copies(entries, batch.lost, copied)
+        entries = self._learn_copies(entries, batch.lost, changed)
         scalars, self._scalars = self._scalars, []
         notes, self._notes = self._notes, []
         self._last_flush = time.monotonic()
@@ -66,6 +66,8 @@ class StepWriting:
     def _pack_step(self, step, batch, staged, entries, caps) -> tuple:
         """The step's stepdata row and capture rows (host transfer, histograms, packing)."""
         out = batch.finish_staged(staged) if staged is not None else None
+        if out is not None and batch.twins:
+            self._judge_twins(out, entries, batch.twins)
         cap_rows = self._capture_rows(step, caps)
         if not entries:
             return None, cap_rows

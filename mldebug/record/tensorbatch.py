@@ -114,18 +114,21 @@ class TensorBatch:
         self._pending.append((dst, t, t._version, row))
 
     def _copy_pending(self) -> None:
-        if not self._pending:
+        pending, self._pending = self._pending, []
+        if not pending:
             return
         groups: dict = {}
-        for dst, t, version, row in self._pending:
+        for dst, t, version, row in pending:
             if t._version != version or not t.untyped_storage().nbytes():
                 self.lost.add(row)
                 continue
-            dsts, srcs, rows = groups.setdefault((dst.dtype, t.dtype), ([], [], []))
+            # (a GPU's multi-tensor copy takes its fast path only when all its sources
+            # lie as their contiguous destinations: the others in a group of their own)
+            key = (dst.dtype, t.dtype, t.is_contiguous())
+            dsts, srcs, rows = groups.setdefault(key, ([], [], []))
             dsts.append(dst)
             srcs.append(t)
             rows.append(row)
-        self._pending = []
         with _no_grad():
             for dsts, srcs, rows in groups.values():
                 try:
@@ -377,13 +380,14 @@ class _Layout:
                   else sample_index(n, size, "cpu") + r0 * CHUNK for _, _, r0, n, *_ in segs]
         pad = [torch.arange(r0 * CHUNK + n, (r0 + -(-n // CHUNK)) * CHUNK)
                for _, _, r0, n, *_ in segs if n % CHUNK]
-        self.gather = (torch.cat(gather) if gather else torch.zeros(0, dtype=torch.long)).to(device)
-        self.pad = (torch.cat(pad) if pad else torch.zeros(0, dtype=torch.long)).to(device)
+        self.gather = _to_device(torch.cat(gather) if gather else torch.zeros(0, dtype=torch.long),
+                                 device)
+        self.pad = _to_device(torch.cat(pad) if pad else torch.zeros(0, dtype=torch.long), device)
         self.rows = np.array([s[0] for s in segs], np.int64)
         self.r0 = np.array([s[2] for s in segs], np.int64)
         self.n = np.array([s[3] for s in segs], np.int64)
-        self.row_counts = torch.tensor([-(-s[3] // CHUNK) for s in segs],
-                                       dtype=torch.long).to(device)
+        self.row_counts = _to_device(torch.tensor([-(-s[3] // CHUNK) for s in segs],
+                                                  dtype=torch.long), device)
         _norm_pieces(self, segs, device)
 
 
@@ -417,9 +421,18 @@ def _norm_pieces(lay: _Layout, segs: list, device) -> None:
         counts += [len(one)] * shape[0]
         lay.norm_rows.append((row, shape[0]))
         lay.norm_end = start + n
-    as_long = lambda x: torch.as_tensor(np.asarray(x, np.int64)).to(device)  # noqa: E731
+    as_long = lambda x: _to_device(torch.as_tensor(np.asarray(x, np.int64)), device)  # noqa: E731
     lay.norm_lengths, lay.norm_counts = as_long(lengths), as_long(counts)
     lay.norm_pick = as_long(np.concatenate(pick) if pick else [])
+
+
+def _to_device(x: torch.Tensor, device) -> torch.Tensor:
+    """Host indices X on DEVICE without a sync: to a GPU from pinned memory, not waited for
+    (torch keeps the pinned buffer until the copy is done)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
 
 
 def _layout(segs: list, size: int, device) -> _Layout:
@@ -469,7 +482,7 @@ def sample_index(n: int, size: int, device) -> torch.Tensor:
     idx = _IDX_CACHE.get(key)
     if idx is None:
         gen = torch.Generator().manual_seed((0x5EED * 1_000_003 + n) * 1_000_003 + size)
-        idx = torch.randint(n, (size,), generator=gen).sort().values.to(device)
+        idx = _to_device(torch.randint(n, (size,), generator=gen).sort().values, device)
         if len(_IDX_CACHE) >= _IDX_CACHE_MAX:
             _IDX_CACHE.clear()
         _IDX_CACHE[key] = idx

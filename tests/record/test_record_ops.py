@@ -204,3 +204,63 @@ def test_held_tensors_changed_let_go_or_unreadable_are_lost_and_the_rest_copied(
         np.testing.assert_allclose(rows[i, :6], [12, want[i].sum(), want[i].abs().sum(),
                                                  want[i].square().sum(), want[i].min(),
                                                  want[i].max()], rtol=1e-6)
+
+
+class ClampThroughData(nn.Module):
+    """max(x, 0) written into its input through `.data`: a change that autograd's
+    version counter does not see (as a custom kernel writing in place)."""
+
+    def forward(self, x):
+        x.data.clamp_(min=0)
+        return x * 1
+
+
+def test_a_change_the_version_counter_misses_is_caught_by_the_first_steps_twin(tmp_path, device):
+    """On the first recorded step an output copied when seen is copied again at the
+    step's end and the two statistics compared: `.data.clamp_` after a Linear makes them
+    differ, so that output is never held, and every step records it as the Linear gave
+    it (negative values included)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), ClampThroughData(), nn.Linear(16, 3)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    model[0].register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+    x, y = torch.randn(5, 8, device=device), torch.randint(0, 3, (5,), device=device)
+    with mldebug.record(model, log=("io",), run_dir=tmp_path, run="r") as rec:
+        for _ in range(4):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    with mldebug.record.open_run(rec.path) as run:
+        rows = run.stats("0:output[0]")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for r in rows:
+        assert r["min"] == pytest.approx(seen[r["step"]].min().item()) and r["min"] < 0
+    if stats.defers(torch.zeros(1, device=device)):
+        assert "0:output[0]" in rec._copy_now and "2:output[0]" in rec._unchanged
+
+
+def test_the_recorders_warnings_never_raise_into_the_program(tmp_path):
+    """Under `-W error` (pytest's filterwarnings=error) a recorder warning is not an
+    exception out of `opt.step()`: a held output that starts changing is still left
+    out, and training goes on."""
+    import warnings
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), ClampLater(),
+                          nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(5, 8), torch.randint(0, 3, (5,))
+    stats.simulate_device(True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with mldebug.record(model, log=("io",), run_dir=tmp_path, run="r") as rec:
+                for step in range(4):
+                    model[3].in_place = step >= 2
+                    opt.zero_grad()
+                    nn.functional.cross_entropy(model(x), y).backward()
+                    opt.step()
+    finally:
+        stats.simulate_device(False)
+    with mldebug.record.open_run(rec.path) as run:
+        assert [r["step"] for r in run.stats("2:output[0]")] == [0, 1, 3]
