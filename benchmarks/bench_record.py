@@ -188,8 +188,10 @@ def count_ops(name, device, run_dir, simulate_device=False):
             model, log=LOGS, every=every, run_dir=run_dir, run=f"count-{name}-{every}")
         stats.simulate_device(simulate_device)
         try:
-            # record@100:off: steps 1.. of a recorder whose step 0 was recorded in warm-up
-            ops, reads = count_step(lambda: step(model, loss_fn, opt))
+            # record@100:off: steps 1.. of a recorder whose step 0 was recorded in warm-up;
+            # record@1: a step once the first recorded steps have learned what to hold and
+            # the blocks' sizes have settled (a new layout's indices are made once)
+            ops, reads = count_step(lambda: step(model, loss_fn, opt), warmup=6)
         finally:
             stats.simulate_device(False)
             if rec is not None:
