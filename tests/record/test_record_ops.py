@@ -139,6 +139,17 @@ class ClampLater(nn.Module):
         return x.clamp_(min=0) if self.in_place else x.clamp(min=0)
 
 
+def record_clamping_from_step_2(model, opt, x, y, tmp_path):
+    """Four steps recorded (io), the model's `ClampLater` (index 3) in place from step 2."""
+    with mldebug.record(model, log=("io",), run_dir=tmp_path, run="r") as rec:
+        for step in range(4):
+            model[3].in_place = step >= 2
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    return rec
+
+
 def test_an_output_changed_in_place_later_is_recorded_as_it_was(tmp_path, device):
     """A Linear's output that a later in-place op changes: on the device path the first
     recorded step sees it change, so it is copied when seen on every step (its negative
@@ -157,12 +168,7 @@ def test_an_output_changed_in_place_later_is_recorded_as_it_was(tmp_path, device
     x, y = torch.randn(5, 8, device=device), torch.randint(0, 3, (5,), device=device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with mldebug.record(model, log=("io",), run_dir=tmp_path, run="r") as rec:
-            for step in range(4):
-                model[3].in_place = step >= 2
-                opt.zero_grad()
-                nn.functional.cross_entropy(model(x), y).backward()
-                opt.step()
+        rec = record_clamping_from_step_2(model, opt, x, y, tmp_path)
     ours = [str(w.message) for w in caught if "mldebug.record" in str(w.message)]
     on_a_device = stats.defers(torch.zeros(1, device=device))    # (cpu-as-device too)
     with mldebug.record.open_run(rec.path) as run:
@@ -254,12 +260,7 @@ def test_the_recorders_warnings_never_raise_into_the_program(tmp_path):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            with mldebug.record(model, log=("io",), run_dir=tmp_path, run="r") as rec:
-                for step in range(4):
-                    model[3].in_place = step >= 2
-                    opt.zero_grad()
-                    nn.functional.cross_entropy(model(x), y).backward()
-                    opt.step()
+            rec = record_clamping_from_step_2(model, opt, x, y, tmp_path)
     finally:
         stats.simulate_device(False)
     with mldebug.record.open_run(rec.path) as run:
