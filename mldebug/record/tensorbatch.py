@@ -1,17 +1,20 @@
 """The recorder's small tensors of one step on a GPU (or another device than the CPU):
-one copy when seen, every statistic at the end of the step, for all of them at once.
+at most one copy each, every statistic at the end of the step, for all of them at once.
 
 On a GPU each op is a kernel launch (~10 µs of CPU time), and a step of a small model is
-launch-bound. So `add` does ONE op: it copies the tensor into a block (a [rows, CHUNK]
-matrix on the tensor's device, reused from step to step), starting on a fresh row. The
-step's end then queues a fixed handful of ops per block, whatever the number of tensors
-(`stage`): per-row min and max with the padding after each tensor set to +inf, then -inf
-(one scatter each), sum, Σx² (2-norm) and |x| sum with it set to 0, the samples (one
-gather), and each tensor's totals from its rows (`index_add_`, `scatter_reduce_`), all
-without a read. The recorder's writer thread then brings them to the host with the
-step's one transfer and finishes them (`DeviceStaged.finish`), and only then gives the
-blocks back. A tensor whose total is not finite is recomputed exactly from its copy.
-(The CPU's small tensors go to `hostbatch.py` instead: numpy, no blocks.)
+launch-bound. So `add` does ONE op: it copies the tensor as it lies into a block (a
+[rows, CHUNK] matrix on the tensor's device, reused from step to step, with its views),
+starting on a fresh row. `hold` and `add_many` do less: the copies wait and are made
+together, one `_foreach_copy_` (the parameters and gradients at `optimizer.step()`, and
+the module tensors the recorder found unchanged until then). The step's end then queues
+a fixed handful of ops per block, whatever the number of tensors (`stage`): per-row min
+and max with the padding after each tensor set to +inf, then -inf, sum, Σx² and |x| sum
+with it set to 0, the samples (one gather), the per-sample norms (two `segment_reduce`),
+and each tensor's totals from its rows (`segment_reduce`), all without a read. The
+recorder's writer thread then brings them to the host with the step's one transfer and
+finishes them (`DeviceStaged.finish`), and only then gives the blocks back. A tensor
+whose total is not finite is recomputed exactly from its copy. (The CPU's small tensors
+go to `hostbatch.py` instead: numpy, no blocks.)
 
 Accuracy: a row is summed by torch in the accumulation type (float32, or float64 for
 float64) over at most CHUNK values and rows are added in float64, so totals are at least
@@ -96,8 +99,9 @@ class TensorBatch:
             dst.copy_(t)
 
     def add_many(self, items) -> None:
-        """ITEMS: (row, tensor, dtype), copied as `add` does, in one `_foreach_copy_` per
-        pair of dtypes (a step's parameters and gradients: one launch, not one each)."""
+        """ITEMS: (row, tensor, dtype), copied as `add` does, with what `hold` kept, in one
+        `_foreach_copy_` per pair of dtypes (and contiguity): a step's parameters and
+        gradients in one launch, not one each."""
         for row, t, dtype in items:
             self.hold(row, t, dtype)
         self._copy_pending()
