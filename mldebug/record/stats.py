@@ -119,8 +119,7 @@ class StepBatch:
         other devices than the CPU), and with BATCH_DIM its per-sample L2 norms; returns
         its row index."""
         i = len(self.rows)
-        if batch_dim is not None and not -t.dim() <= batch_dim < t.dim():
-            batch_dim = None       # no such dimension (a 0-d or narrower tensor): no norms
+        batch_dim = _batch_dim_of(t, batch_dim)
         nb = self.native
         # the kernel reads the memory itself: plain strided CPU tensors (a parameter too)
         # only; a subclass, a fake tensor under tracing, a sparse or MKL-DNN tensor or a
@@ -133,7 +132,7 @@ class StepBatch:
             self.rows.append(None)
             self.samples.append(None)
             return i
-        acc = _ACC.get(t.dtype, torch.float32)
+        acc = _acc_of(t)
         n = t.numel()
         dev = t.device
         shape = t.shape if batch_dim is not None else None
@@ -177,12 +176,11 @@ class StepBatch:
         `stage`."""
         if not defers(t):
             return self.add(t, sample, batch_dim)
-        if batch_dim is not None and not -t.dim() <= batch_dim < t.dim():
-            batch_dim = None
+        batch_dim = _batch_dim_of(t, batch_dim)
         i = len(self.rows)
         self.rows.append(None)
         self.samples.append(None)
-        self._device_batch(t.device).hold(i, t, _ACC.get(t.dtype, torch.float32),
+        self._device_batch(t.device).hold(i, t, _acc_of(t),
                                           t.shape if batch_dim is not None else None,
                                           batch_dim)
         return i
@@ -197,7 +195,7 @@ class StepBatch:
                 self.rows.append(None)
                 self.samples.append(None)
                 together.setdefault(t.device, []).append(
-                    (rows[-1], t, _ACC.get(t.dtype, torch.float32)))
+                    (rows[-1], t, _acc_of(t)))
             else:
                 rows.append(self.add(t, sample))
         for dev in together:
@@ -381,6 +379,16 @@ class StepBatch:
 def _batched_on_device(t: torch.Tensor, n: int) -> bool:
     """Whether T goes to its device's blocks (`tensorbatch`)."""
     return 0 < n <= DEVICE_BATCH and not _on_host(t.device)
+
+
+def _batch_dim_of(t: torch.Tensor, batch_dim: Optional[int]) -> Optional[int]:
+    """BATCH_DIM if T has that dimension, else None (a 0-d or narrower tensor: no norms)."""
+    return batch_dim if batch_dim is not None and -t.dim() <= batch_dim < t.dim() else None
+
+
+def _acc_of(t: torch.Tensor) -> torch.dtype:
+    """The type T's statistics accumulate in: float64 for float64, else float32."""
+    return _ACC.get(t.dtype, torch.float32)
 
 
 def defers(t: torch.Tensor) -> bool:
