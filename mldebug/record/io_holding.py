@@ -75,11 +75,9 @@ class IoHolding:
             equal = np.array_equal(stats[row], stats[twin], equal_nan=True) \
                 and np.array_equal(hist[row], hist[twin])
             (same if equal else changed).add(row)
-        keys_same = {e[0] for e in entries if e[3] in same}
-        keys_changed = {e[0] for e in entries if e[3] in changed}
         with self._lock:
-            self._copy_now.update(keys_changed)
-            self._unchanged.update(keys_same - self._copy_now)
+            self._copy_now.update(_keys_of(entries, changed))
+            self._unchanged.update(_keys_of(entries, same) - self._copy_now)
 
     def _learn_copies(self, entries: list, lost: set, changed: set) -> list:
         """At a recorded step's end: the series whose tensors changed in place after they
@@ -88,11 +86,11 @@ class IoHolding:
         changed = changed | lost
         if not changed:
             return entries
-        self._copy_now.update(e[0] for e in entries if e[3] in changed)
+        self._copy_now.update(_keys_of(entries, changed))
         self._unchanged.difference_update(self._copy_now)
         if not lost:
             return entries
-        gone = sorted({e[0] for e in entries if e[3] in lost})
+        gone = sorted(_keys_of(entries, lost))
         self._say(f"mldebug.record: {', '.join(gone[:3])}{' ...' if len(gone) > 3 else ''} "
                   f"changed in place (or could not be read) after it was recorded on step "
                   f"{self.step_index}: not recorded on that step; from now on copied when "
@@ -106,3 +104,9 @@ class IoHolding:
             warnings.warn(message, RuntimeWarning, stacklevel=4)
         except Exception:  # noqa: BLE001 - warnings turned into errors
             pass
+
+
+def _keys_of(entries: list, rows: set) -> set:
+    """The series keys of ENTRIES (key, meta, call, row) whose row is in ROWS: a row is
+    shared by every entry that saw the same tensor at the same version."""
+    return {e[0] for e in entries if e[3] in rows}

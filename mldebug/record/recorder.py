@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-import warnings
 import weakref
 from typing import Callable, Optional
 
@@ -267,8 +266,8 @@ class Recorder(CaptureHooks, IoHolding, StepWriting):
     def _warn(self, where: str, exc: BaseException) -> None:
         if where not in self._warned:
             self._warned.add(where)
-            warnings.warn(f"mldebug.record: {where} failed ({type(exc).__name__}: {exc}); "
-                          "the program goes on", RuntimeWarning, stacklevel=3)
+            self._say(f"mldebug.record: {where} failed ({type(exc).__name__}: {exc}); "
+                      "the program goes on")
 
     # -- steps -----------------------------------------------------------------------
     def _wanted(self, step: int) -> bool:

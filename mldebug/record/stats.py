@@ -129,25 +129,17 @@ class StepBatch:
                 and not t.is_neg() and t.numel() \
                 and nb.add(i, t if t.is_contiguous() else t.contiguous(),
                            t.shape if batch_dim is not None else None, batch_dim):
-            self.rows.append(None)
-            self.samples.append(None)
-            return i
+            return self._blank_row()
         acc = _acc_of(t)
         n = t.numel()
         dev = t.device
         shape = t.shape if batch_dim is not None else None
         if _batched_on_device(t, n):    # one op: a copy as it lies, into the step's block
-            self.rows.append(None)
-            self.samples.append(None)
-            self._device_batch(dev).add(i, t if _copied_as_is(t) else flat_of(t), acc, shape,
-                                        batch_dim)
-            return i
+            return self._block_row(t, batch_dim, held=False)
         flat = flat_of(t)
         if _on_host(dev) and 0 < n <= BATCH:
-            self.rows.append(None)
-            self.samples.append(None)
             self.cpu.add(i, flat, acc, shape, batch_dim)
-            return i
+            return self._blank_row()
         norms = None
         if batch_dim is not None and t.dim() > 0:
             norms = per_sample_norms(t, batch_dim)
@@ -176,13 +168,23 @@ class StepBatch:
         `stage`."""
         if not defers(t):
             return self.add(t, sample, batch_dim)
-        batch_dim = _batch_dim_of(t, batch_dim)
-        i = len(self.rows)
+        return self._block_row(t, _batch_dim_of(t, batch_dim), held=True)
+
+    def _blank_row(self) -> int:
+        """A new row whose numbers come from a batch (the kernel, the host or a device
+        batch fills it when the step is staged)."""
         self.rows.append(None)
         self.samples.append(None)
-        self._device_batch(t.device).hold(i, t, _acc_of(t),
-                                          t.shape if batch_dim is not None else None,
-                                          batch_dim)
+        return len(self.rows) - 1
+
+    def _block_row(self, t: torch.Tensor, batch_dim: Optional[int], held: bool) -> int:
+        """T's row in its device's blocks: copied now (`TensorBatch.add`), or HELD
+        (`TensorBatch.hold`); a plain tensor as it lies, another kind flattened first."""
+        i = self._blank_row()
+        batch = self._device_batch(t.device)
+        (batch.hold if held else batch.add)(
+            i, t if _copied_as_is(t) else flat_of(t), _acc_of(t),
+            t.shape if batch_dim is not None else None, batch_dim)
         return i
 
     def add_many(self, ts: list, sample: int) -> list:
@@ -191,11 +193,8 @@ class StepBatch:
         rows, together = [], {}
         for t in ts:
             if defers(t):
-                rows.append(len(self.rows))
-                self.rows.append(None)
-                self.samples.append(None)
-                together.setdefault(t.device, []).append(
-                    (rows[-1], t, _acc_of(t)))
+                rows.append(self._blank_row())
+                together.setdefault(t.device, []).append((rows[-1], t, _acc_of(t)))
             else:
                 rows.append(self.add(t, sample))
         for dev in together:

@@ -863,3 +863,19 @@ def test_a_compiled_model_is_recorded_without_breaking_its_graph(tmp_path):
               for k in ("param", "param_grad")}
     assert keys[False] == params
     assert keys[True] == params | {":input[0]", ":output[0]", ":output_grad[0]"}
+
+
+def test_a_failing_hook_under_warnings_as_errors_never_raises_into_the_forward(tmp_path):
+    """A user's `condition` that raises is said as a warning and recording goes on; under
+    `-W error` (pytest's filterwarnings=error) that warning is not an exception out of the
+    model's forward either."""
+    import warnings
+    model = make_mlp()
+
+    def condition(module, inputs, output):
+        raise ValueError("bad condition")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with mldebug.record(model, run_dir=tmp_path, run="w", condition=condition):
+            train(model, batches(2))
