@@ -49,7 +49,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_watch import BATCH_SCALE, MODELS, step, sync  # noqa: E402
-from opcount import count_step  # noqa: E402
+from opcount import count_calls, count_step  # noqa: E402
 
 import mldebug  # noqa: E402
 from mldebug.graph import Capture  # noqa: E402
@@ -192,15 +192,17 @@ def count_ops(name, device, run_dir, simulate_device=False):
             # record@1: a step once the first recorded steps have learned what to hold and
             # the blocks' sizes have settled (a new layout's indices are made once)
             ops, reads = count_step(lambda: step(model, loss_fn, opt), warmup=6)
+            calls = count_calls(lambda: step(model, loss_fn, opt), warmup=1)
         finally:
             stats.simulate_device(False)
             if rec is not None:
                 rec.close()
-        out[k] = (sum(ops.values()), reads)
-    n0, r0 = out["plain"]
+        out[k] = (sum(ops.values()), reads, calls)
+    n0, r0, c0 = out["plain"]
     label = "device path on the cpu" if simulate_device else device
-    return f"{name:6} ops a step ({label}): plain {n0}, " + ", ".join(
-        f"{k} {n} ({n - n0:+d}, reads {r - r0:+d})" for k, (n, r) in out.items() if k != "plain")
+    return f"{name:6} ops a step ({label}): plain {n0} (python calls {c0}), " + ", ".join(
+        f"{k} {n} ({n - n0:+d}, reads {r - r0:+d}, python calls {c - c0:+d})"
+        for k, (n, r, c) in out.items() if k != "plain")
 
 
 def measure(name, device, reps, per, run_dir, texp):

@@ -2,16 +2,22 @@
 reads, from torch's profiler (issue 22's op and read budgets).
 
     ops, reads = count_step(step, warmup=3)
+    calls = count_calls(step)      # Python calls on this thread, all code
 
 An op is a top-level `aten::` event: what the step dispatches, not the calls a kernel
 makes inside itself (a `sum` is one op, not `sum` + its `fill_` and `as_strided`). A host
 read is an op that copies a device value to the host for Python to look at (`item`,
 `_local_scalar_dense`, `is_nonzero`); on a GPU each is a sync. Used by bench_watch.py,
 bench_record.py and tests/watch/test_op_budget.py.
+
+The Python function calls a step makes in one package's code (`count_calls`) are the
+other machine-independent cost: on a step bound by kernel launches, the CPU time of the
+training thread is the step's time, and what a debugger adds there is mostly its Python.
 """
 from __future__ import annotations
 
 import collections
+import sys
 from typing import Callable
 
 from torch.profiler import ProfilerActivity, profile
@@ -43,3 +49,23 @@ def _nested(event) -> bool:
             return True
         parent = parent.cpu_parent
     return False
+
+
+def count_calls(step: Callable[[], None], under: str = "", warmup: int = 3) -> int:
+    """Python function calls, on this thread, of code in files under the folder UNDER
+    (all of them by default), during one call of STEP after WARMUP calls: the thread that
+    launches a GPU's kernels (a writer thread's work is not counted)."""
+    for _ in range(warmup):
+        step()
+    calls = [0]
+
+    def seen(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(under):
+            calls[0] += 1
+
+    sys.setprofile(seen)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return calls[0]

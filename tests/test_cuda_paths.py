@@ -212,3 +212,57 @@ def test_at_a_cuda_stop_the_prompt_inspects_and_shows_the_history(write_program)
     assert "tensor[32, 8] f32" in out and "cuda:0" in out
     assert "history of 2: steps 0.." in out and "‖2.lin.weight‖" in out
     assert "finished" not in out
+
+
+GRAPHED_TRAINING = """
+    import sys
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if "mldebug" in sys.modules:         # under the CLI: a recording as well
+        import mldebug
+        rec = mldebug.record(model, run_dir=sys.argv[1], run="graphed")
+    x, y = torch.randn(8, 16, device="cuda"), torch.randn(8, 1, device="cuda")
+    # PyTorch's recipe for a whole step in one graph: warm up on a side stream, capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+    for step in range(5):
+        x.copy_(torch.randn(8, 16, device="cuda"))
+        graph.replay()
+    print("loss", loss.item())
+    print("weights", [p.detach().double().sum().item().hex() for p in model.parameters()])
+"""
+
+
+def test_a_step_captured_in_a_cuda_graph_trains_as_without_mldebug(write_program, tmp_path):
+    """Under the CLI (watch, graph capture, assertions, history, and a recording) the
+    capture succeeds (no read or op of mldebug's inside it), the replays compute the
+    same weights bit for bit, and each part says once that it does not look inside."""
+    import subprocess
+    import sys
+    prog = write_program(GRAPHED_TRAINING)
+    plain = subprocess.run([sys.executable, str(prog), str(tmp_path)], capture_output=True,
+                           text=True, env=clean_env(), timeout=300)
+    assert plain.returncode == 0, plain.stderr
+    result = run_cli(["--batch", str(prog), str(tmp_path)], timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == plain.stdout
+    err = result.stderr
+    assert "Traceback" not in err
+    for part in ("the watch", "the assertions", "mldebug.record", "the step history"):
+        assert err.count(f"a CUDA graph is being captured: {part}") == 1, err

@@ -33,6 +33,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from ..core import autograd_patch as _autograd_patch
+from ..core import cuda_graphs as _cuda_graphs
 from ..core import frames as _frames
 from ..core import replay as _replay
 from ..core.quiet import own_work, watch_suspended
@@ -238,7 +239,8 @@ class Runner:
     def _listening(self) -> bool:
         # only the innermost runner (scan() inside the CLI's) hears the events
         return (self._started and not self._busy and _get_ident() == self._owner
-                and _RUNNERS and _RUNNERS[-1] is self and not _replay._depth)
+                and _RUNNERS and _RUNNERS[-1] is self and not _replay._depth
+                and not _cuda_graphs.step_aside("assertions", _cuda_graphs.ASSERTIONS_NOTE))
 
     # -- what is known ------------------------------------------------------------------
     def _params(self, optimizer=None) -> list:

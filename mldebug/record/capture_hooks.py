@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import torch
 
+from ..core import cuda_graphs as _cuda_graphs
 from ..core import replay as _replay
 from ..core.compile import compiling as _compiling
 from ..core.quiet import own_work
 from ..core.structs import tensors_in as _tensors
 from .capture_spec import Capture
+
+
+CUDA_GRAPH_NOTE = ("mldebug.record does not record what runs inside it (a replay fires "
+                   "no hook, and a copy captured with the program's kernels would be made "
+                   "again at every replay); the steps outside the graph are recorded")
+
+
+def cuda_graph_aside() -> bool:
+    """Whether the recorder's hooks step aside now: this thread captures a CUDA graph
+    (said once; `core.cuda_graphs`)."""
+    return _cuda_graphs.step_aside("record", CUDA_GRAPH_NOTE)
 
 
 class CaptureHooks:
@@ -19,7 +31,8 @@ class CaptureHooks:
             if _compiling():       # dynamo traces this call: nothing of ours in its graph
                 self._in_compiled = True
                 return None
-            if _replay.active() or (self.training_only and not module.training):
+            if _replay.active() or (self.training_only and not module.training) \
+                    or cuda_graph_aside():
                 return None  # (a watch's re-run of the call is not a new invocation)
             self._capture(path, cap, module, args)
             return None
@@ -30,7 +43,8 @@ class CaptureHooks:
             if _compiling():
                 self._in_compiled = True
                 return None
-            if _replay.active() or (self.training_only and not module.training):
+            if _replay.active() or (self.training_only and not module.training) \
+                    or cuda_graph_aside():
                 return None  # (a watch's re-run of the call is not a new invocation)
             if self.condition is not None:
                 try:

@@ -30,11 +30,15 @@ from typing import Optional
 import torch
 from torch.optim import optimizer as _optim_hooks
 
+from ..core import cuda_graphs as _cuda_graphs
 from ..core.quiet import own_work
 from ..core.ranks import rank_tag, this_rank
 from ..graph import active_capture, last_graph
 from ..summaries.norms import l2_norms
 from .recorder import active_recorder
+
+_CUDA_GRAPH_NOTE = ("the step history does not count the steps captured into it (they run "
+                    "at its replays, where no hook fires)")
 
 
 STEPS = 20
@@ -99,6 +103,8 @@ class History:
 
     # -- hooks -----------------------------------------------------------------------
     def _pre(self, optimizer, args, kwargs):
+        if _cuda_graphs.step_aside("history", _CUDA_GRAPH_NOTE):
+            return None     # (its norms are read to the host: a sync breaks a capture)
         rec = active_recorder()
         if rec is not None and rec.records_norms_of(optimizer):
             self._take_from(rec)
@@ -119,6 +125,8 @@ class History:
         return None
 
     def _post(self, optimizer, args, kwargs):
+        if _cuda_graphs.step_aside("history", _CUDA_GRAPH_NOTE):
+            return None     # (a step captured runs at the replays: not one now)
         now = time.perf_counter()
         if self._last_post is not None and self._own and len(self.rows) > WARMUP:
             # amortized cost: this step's recording over `stride` steps of the program

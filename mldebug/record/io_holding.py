@@ -36,7 +36,7 @@ class IoHolding:
             return self._batch.add(t, self.sample, batch_dim)
         if self._copy_now.isdisjoint(keys) and self._unchanged.issuperset(keys) \
                 and _stats.holds_well(t):
-            return self._batch.hold(t, self.sample, batch_dim)
+            return self._batch.hold(t, self.sample, batch_dim, deferrable=True)
         row = self._batch.add(t, self.sample, batch_dim)
         if self._copy_now.isdisjoint(keys):
             # kept alive to the step's end, within the blocks' budget, to see whether it

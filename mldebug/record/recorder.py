@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 from torch.optim import optimizer as _optim_hooks
 
+from ..core import cuda_graphs as _cuda_graphs
 from ..core import replay as _replay
 from ..core.compile import compiling as _compiling
 from ..core.ranks import this_rank
@@ -20,7 +21,7 @@ from ..core.errors import UsageError
 from ..core.quiet import own_work
 from ..core.structs import tensors_in
 from . import stats as _stats
-from .capture_hooks import CaptureHooks
+from .capture_hooks import CaptureHooks, cuda_graph_aside
 from .capture_spec import REDUCTIONS, WHAT, Capture, _select  # noqa: F401 - record's names
 from .io_holding import IoHolding
 from .step_writing import StepWriting, _scalar_rows
@@ -211,6 +212,9 @@ class Recorder(CaptureHooks, IoHolding, StepWriting):
                 # marks the start of a step's forward: scalars logged after
                 # optimizer.step() and before it belong to the step that just ended
                 self._global.append(self.model.register_forward_pre_hook(self._root_pre))
+            # a capture in "global" mode forbids a read on any thread: the writer's
+            # queue is drained before one begins
+            self._global.append(_cuda_graphs.before_capture(self._writer.flush))
             if not self.manual and self.model is not None:
                 self._global += [
                     _optim_hooks.register_optimizer_step_pre_hook(self._opt_pre),
@@ -371,7 +375,8 @@ class Recorder(CaptureHooks, IoHolding, StepWriting):
         return owns
 
     def _opt_pre(self, optimizer, args, kwargs):
-        if self.recording and not self._params_done and self._owned(optimizer):
+        if self.recording and not self._params_done and self._owned(optimizer) \
+                and not cuda_graph_aside():
             try:
                 self._record_params()
             except Exception as exc:  # noqa: BLE001
@@ -384,7 +389,8 @@ class Recorder(CaptureHooks, IoHolding, StepWriting):
         return None
 
     def _opt_post(self, optimizer, args, kwargs):
-        if self._owned(optimizer):
+        # (a step captured into a CUDA graph is not one: its update runs at the replays)
+        if self._owned(optimizer) and not cuda_graph_aside():
             self._end_step()
         return None
 
@@ -394,7 +400,8 @@ class Recorder(CaptureHooks, IoHolding, StepWriting):
             if _compiling():       # dynamo traces this call: nothing of ours in its graph
                 self._in_compiled = True
                 return None
-            if _replay.active() or (self.training_only and not module.training):
+            if _replay.active() or (self.training_only and not module.training) \
+                    or cuda_graph_aside():
                 return None  # (a watch's re-run of the call is not a new invocation)
             try:
                 if self.condition is not None and not self.condition(module, args, output):
@@ -447,7 +454,7 @@ class Recorder(CaptureHooks, IoHolding, StepWriting):
         self._thooks.append(t.register_hook(lambda g: self._on_grad(serial, targets, g)))
 
     def _on_grad(self, serial: int, targets: list, grad) -> None:
-        if _replay.active():
+        if _replay.active() or cuda_graph_aside():
             return   # the watch's dry run of the loss's backward: the real pass follows
         if serial != self._serial or self.closed or grad is None:
             return None
@@ -489,7 +496,8 @@ class Recorder(CaptureHooks, IoHolding, StepWriting):
         if not isinstance(t, torch.Tensor):
             raise UsageError(f"log_tensor: expected a torch.Tensor for {name!r}, "
                              f"got {type(t).__name__}")
-        if not self.recording or not t.is_floating_point() or t.numel() == 0:
+        if not self.recording or not t.is_floating_point() or t.numel() == 0 \
+                or cuda_graph_aside():
             return
         try:
             call = self._calls.get(("tensor", name), 0)

@@ -161,14 +161,18 @@ class StepBatch:
         self.add_norms(i, norms)
         return i
 
-    def hold(self, t: torch.Tensor, sample: int, batch_dim: Optional[int] = None) -> int:
+    def hold(self, t: torch.Tensor, sample: int, batch_dim: Optional[int] = None,
+             deferrable: bool = False) -> int:
         """As `add`; on a device the copy waits for the step's end, one op for all the
         tensors held (`TensorBatch.hold`): for tensors the caller expects unchanged until
         then. One changed in place meanwhile is not recorded: its row is in `lost` after
-        `stage`."""
-        if not defers(t):
+        `stage`. DEFERRABLE: the caller has found `defers(t)` already (the recorder's
+        hooks run this for every tensor of a step: each call counts on a GPU)."""
+        if not (deferrable or defers(t)):
             return self.add(t, sample, batch_dim)
-        return self._block_row(t, _batch_dim_of(t, batch_dim), held=True)
+        if batch_dim is not None:
+            batch_dim = _batch_dim_of(t, batch_dim)
+        return self._block_row(t, batch_dim, held=True)
 
     def _blank_row(self) -> int:
         """A new row whose numbers come from a batch (the kernel, the host or a device
@@ -181,9 +185,11 @@ class StepBatch:
         """T's row in its device's blocks: copied now (`TensorBatch.add`), or HELD
         (`TensorBatch.hold`); a plain tensor as it lies, another kind flattened first."""
         i = self._blank_row()
-        batch = self._device_batch(t.device)
-        (batch.hold if held else batch.add)(
-            i, t if _copied_as_is(t) else flat_of(t), _acc_of(t),
+        batch = self.on_device.get(t.device)
+        if batch is None:
+            batch = self._device_batch(t.device)
+        (batch.hold if held else batch.add)(     # (what is held is plain: `defers`)
+            i, t if held or _copied_as_is(t) else flat_of(t), _ACC.get(t.dtype, _F32),
             t.shape if batch_dim is not None else None, batch_dim)
         return i
 
@@ -194,7 +200,8 @@ class StepBatch:
         for t in ts:
             if defers(t):
                 rows.append(self._blank_row())
-                together.setdefault(t.device, []).append((rows[-1], t, _acc_of(t)))
+                together.setdefault(t.device, []).append((rows[-1], t,
+                                                          _ACC.get(t.dtype, _F32)))
             else:
                 rows.append(self.add(t, sample))
         for dev in together:
@@ -285,8 +292,9 @@ class StepBatch:
     @staticmethod
     def on_host(staged: tuple) -> bool:
         """Whether a staged step holds nothing on another device than the CPU (nothing to
-        wait for: `finish_staged` is host work only)."""
-        return all(d["device"].type == "cpu" for d in staged[2])
+        wait for: `finish_staged` is host work only). A simulated device's step is not:
+        it is finished on the writer thread, as a GPU's is."""
+        return _HOST[0] and all(d["device"].type == "cpu" for d in staged[2])
 
     def finish_staged(self, staged: tuple) -> dict:
         """Host numpy arrays: stats [K, 10] (`describe_rows`), hist [K, bins] int64, lo,
@@ -391,8 +399,11 @@ def _acc_of(t: torch.Tensor) -> torch.dtype:
 
 
 def defers(t: torch.Tensor) -> bool:
-    """Whether T's copy can wait (`StepBatch.hold`): a plain tensor on a device."""
-    return _batched_on_device(t, t.numel()) and _copied_as_is(t)
+    """Whether T's copy can wait (`StepBatch.hold`): a plain tensor on a device, batched
+    there (`_batched_on_device` and `_copied_as_is` in one expression: it runs for every
+    tensor a step records)."""
+    return type(t) in _PLAIN and t.layout is _STRIDED and 0 < t.numel() <= DEVICE_BATCH \
+        and not (t.is_cpu and _HOST[0])
 
 
 def holds_well(t: torch.Tensor) -> bool:
@@ -424,5 +435,6 @@ def _finite_or_0(a: np.ndarray) -> np.ndarray:
 
 
 _CPU = torch.device("cpu")
+_F32 = torch.float32
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _STRIDED = torch.strided

@@ -440,7 +440,7 @@ def _to_device(x: torch.Tensor, device) -> torch.Tensor:
 
 
 def _layout(segs: list, size: int, device) -> _Layout:
-    key = (device, size, tuple((s[0], s[2], s[3], s[4], s[5]) for s in segs))
+    key = (device, size, tuple([(s[0], s[2], s[3], s[4], s[5]) for s in segs]))
     got = _LAYOUTS.get(key)
     if got is None:
         got = _Layout(segs, size, device)    # (once per layout: copies to the device)

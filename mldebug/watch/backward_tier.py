@@ -20,7 +20,7 @@ from . import safe as _safe
 from . import tiers as _tiers
 from .checks import _SUM_DTYPE, _checkable, _counts, _floating, _isfinite
 from .native_check import nonfinite as _native_nonfinite
-from .step_ledger import counts_of, first_bad, first_bad_entry
+from .step_ledger import cuda_graph_aside, counts_of, first_bad, first_bad_entry
 
 _get_ident = threading.get_ident
 _HOST_READS = True      # False while tests run the device paths on the CPU
@@ -32,6 +32,8 @@ class BackwardTier:
     def _around_backward(self, proceed, tensors, grad_tensors, args, kwargs):
         """`loss.backward()`; then the stops found on autograd's device threads (CUDA
         runs backward there) pause on this thread, at the user's `backward()` line."""
+        if cuda_graph_aside():   # a backward captured into a CUDA graph: not looked into
+            return proceed(tensors, grad_tensors, *args, **kwargs)
         self._amp.begin([tensors] if isinstance(tensors, Tensor) else list(tensors))
         try:
             result = self._tiered_backward(proceed, tensors, grad_tensors, args, kwargs)

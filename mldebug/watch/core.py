@@ -49,7 +49,7 @@ from .device_window import DeviceWindow
 from .dispatch import _OP_INFOS, PerOpCheck, _Mode, _skip_dynamo
 from .module_tier import ModuleTier
 from .optimizer_tier import OptimizerTier
-from .step_ledger import DeviceReads, StepLedger
+from .step_ledger import DeviceReads, StepLedger, cuda_graph_aside
 from .tiers import TierState
 from .verdict import Verdict
 
@@ -295,7 +295,7 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
 
     # -- hooks -----------------------------------------------------------------------
     def _module_pre(self, module, args):
-        if _compiling() or self._skip or _get_ident() != self._owner:
+        if _compiling() or self._skip or _get_ident() != self._owner or cuda_graph_aside():
             return None
         if self._stash:
             self._deliver_stash()
@@ -346,7 +346,7 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
                       "inside by re-running the call", RuntimeWarning, stacklevel=4)
 
     def _module_post(self, module, args, output):
-        if _compiling() or self._skip or _get_ident() != self._owner:
+        if _compiling() or self._skip or _get_ident() != self._owner or cuda_graph_aside():
             return None
         top = self._top
         t = self._t

@@ -18,7 +18,7 @@ from torch import Tensor
 from ..core import frames as _frames
 from . import tiers as _tiers
 from .checks import _F32, METADATA_KEY, _caller, _isfinite
-from .step_ledger import first_bad
+from .step_ledger import cuda_graph_aside, first_bad
 
 _current_node = torch._C._current_autograd_node
 _USER = _frames._is_user_cache     # file name -> is user code (filled by is_user_file)
@@ -34,7 +34,11 @@ class DeviceWindow:
         """Sum the outputs on their device (no sync) and remember enough to judge later.
 
         `outs`: the op's outputs as returned (tensors, or lists of them for foreach
-        ops); `flat`: the floating device tensors among them when already known."""
+        ops); `flat`: the floating device tensors among them when already known. Not
+        while a CUDA graph is captured: a reduction of ours would be captured with the
+        program's kernels and run at each of its replays."""
+        if cuda_graph_aside():
+            return
         if flat is None:
             flat = outs
         if self._t.read_now:

@@ -18,7 +18,7 @@ from torch import Tensor
 from ..core import frames as _frames
 from . import tiers as _tiers
 from .checks import _caller, _counts
-from .step_ledger import first_bad
+from .step_ledger import cuda_graph_aside, first_bad
 from .verdict import LIVE_GRAD as _LIVE
 
 _get_ident = threading.get_ident
@@ -29,7 +29,7 @@ class OptimizerTier:
     """Methods of `Watch` for the optimizer step (state in `Watch._t` and the Watch)."""
 
     def _optimizer_pre(self, optimizer, args, kwargs):
-        if self._skip or _get_ident() != self._owner:
+        if self._skip or _get_ident() != self._owner or cuda_graph_aside():
             return None
         if self._stash:
             self._deliver_stash()
@@ -81,7 +81,7 @@ class OptimizerTier:
         return args, {**kwargs, "closure": closure_outside_the_step}
 
     def _optimizer_post(self, optimizer, args, kwargs):
-        if self._skip or _get_ident() != self._owner:
+        if self._skip or _get_ident() != self._owner or cuda_graph_aside():
             return None
         if self._win:
             self._flush_window()

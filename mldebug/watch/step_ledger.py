@@ -25,10 +25,10 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import warnings
 
 import torch
 
+from ..core import cuda_graphs as _cuda_graphs
 from ..core.native import values_address
 from ..core.structs import tensors_in
 from . import tiers as _tiers
@@ -36,7 +36,10 @@ from .checks import _F32, _PLAIN
 
 _log = logging.getLogger(__name__)
 _UNREADABLE: list = []     # the first tensor the ledger could not read (said once)
-_CAPTURE_SAID: list = []   # a read skipped under CUDA graph capture (said once)
+# what the watch says, once, when it first steps aside for a CUDA graph capture
+CAPTURE_NOTE = ("the watch does not check inside it (its kernels have no values until a "
+                "replay, and a read would break the capture); it checks the tensors the "
+                "program uses after a replay")
 _GROUP = 64
 _GROUP_BYTES = 64 << 20
 
@@ -192,9 +195,10 @@ def _storages(sources) -> set:
     return found
 
 
-def _capturing() -> bool:
-    """Whether this thread's CUDA stream is capturing a graph (no read may happen)."""
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+def cuda_graph_aside() -> bool:
+    """Whether the watch steps aside now: this thread's CUDA stream is capturing a graph
+    (said once; `core.cuda_graphs`)."""
+    return _cuda_graphs.step_aside("watch", CAPTURE_NOTE)
 
 
 def _one_by_one(xs, slots):
@@ -272,16 +276,10 @@ class DeviceReads:
             self._window_to_ledger()
         if not ledger:
             return
-        if _capturing():
+        if cuda_graph_aside():
             # a read would break the capture, and what it holds has no values yet (a
-            # captured graph runs later, at its replay): let it go, and say so once
+            # captured graph runs later, at its replay): let it go
             ledger.take_nothing()
-            if not _CAPTURE_SAID:
-                _CAPTURE_SAID.append(True)
-                warnings.warn("mldebug: a CUDA graph is being captured: the watch does not "
-                              "check inside it (its ops have no values until replay); it "
-                              "checks the tensors the program uses after a replay",
-                              RuntimeWarning, stacklevel=2)
             return
         with self._own_ops():
             values, judges, held = ledger.take()

@@ -110,8 +110,9 @@ def test_under_cuda_graph_capture_nothing_is_read_and_it_is_said_once(monkeypatc
     import warnings
     import torch.nn as nn
     from mldebug.watch import core, watch
-    monkeypatch.setattr(step_ledger, "_capturing", lambda: True)
-    monkeypatch.setattr(step_ledger, "_CAPTURE_SAID", [])
+    from mldebug.core import cuda_graphs
+    monkeypatch.setattr(cuda_graphs, "capturing", lambda: True)
+    monkeypatch.setattr(cuda_graphs, "_SAID", set())
     took = []
     monkeypatch.setattr(StepLedger, "take", lambda self: took.append(1))
     core.simulate_device(True)
