@@ -55,13 +55,14 @@ fi
 # 1. correctness first: the CUDA paths, and the device-path tests on a real device
 # (the image has pytest-xdist: four workers share the GPU)
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
-part tests 220 python3 -m pytest -q -p no:cacheprovider $XDIST tests/test_cuda_paths.py \
+part tests 200 python3 -m pytest -q -p no:cacheprovider $XDIST tests/test_cuda_paths.py \
     tests/record/test_record_ops.py tests/record/test_record.py \
-    tests/watch/test_step_read.py tests/watch/test_step_ledger.py tests/watch/test_op_budget.py
+    tests/watch/test_step_read.py tests/watch/test_step_ledger.py tests/watch/test_op_budget.py \
+    tests/test_cuda_graph_capture.py
 # 2. the watch: launch-bound models, then the GPT with 16x the batch (GPU busy)
-part watch 130 python3 benchmarks/bench_watch.py --device cuda --quick --models mlp,cnn,gpt
+part watch 120 python3 benchmarks/bench_watch.py --device cuda --quick --models mlp,cnn,gpt
 part watch_x16 50 python3 benchmarks/bench_watch.py --device cuda --quick --models gpt \
     --batch-scale 16
 # 3. the recorder, every step and not
-part record 150 python3 benchmarks/bench_record.py --device cuda --quick --models mlp,cnn,gpt
+part record 140 python3 benchmarks/bench_record.py --device cuda --quick --models mlp,cnn,gpt
 echo "gpu_session: done $(date -u +%T); files in $OUT"

@@ -63,9 +63,10 @@ def count_calls(step: Callable[[], None], under: str = "", warmup: int = 3) -> i
         if event == "call" and frame.f_code.co_filename.startswith(under):
             calls[0] += 1
 
+    previous = sys.getprofile()
     sys.setprofile(seen)
     try:
         step()
     finally:
-        sys.setprofile(None)
+        sys.setprofile(previous)
     return calls[0]

@@ -83,11 +83,9 @@ def write_program(tmp_path):
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.fixture(params=["cpu", "cpu-as-device", pytest.param("cuda", marks=needs_cuda)])
-def device(request):
-    if request.param != "cpu-as-device":
-        yield request.param
-        return
+@contextlib.contextmanager
+def cpu_as_device():
+    """The watch's and the recorder's device (GPU) paths, taken by CPU tensors."""
     from mldebug.record import stats
     from mldebug.watch import core
     core.simulate_device(True)
@@ -97,6 +95,15 @@ def device(request):
     finally:
         core.simulate_device(False)
         stats.simulate_device(False)
+
+
+@pytest.fixture(params=["cpu", "cpu-as-device", pytest.param("cuda", marks=needs_cuda)])
+def device(request):
+    if request.param != "cpu-as-device":
+        yield request.param
+        return
+    with cpu_as_device() as dev:
+        yield dev
 
 
 # A training run whose head's weight blows up until exp overflows: the history tests

@@ -11,6 +11,7 @@ dispatches inside it: nothing.
 """
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 from pathlib import Path
@@ -24,11 +25,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import mldebug
 from mldebug.assertions.scan import AlwaysOn
 from mldebug.core import cuda_graphs
-from mldebug.record import stats
 from mldebug.record.history import History
-from mldebug.watch import core, watch
+from mldebug.watch import watch
 
-from conftest import needs_cuda
+from conftest import cpu_as_device, marker_line, needs_cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from opcount import count_step  # noqa: E402
@@ -56,13 +56,8 @@ def device_path(request):
     if request.param == "cuda":
         yield "cuda"
         return
-    core.simulate_device(True)
-    stats.simulate_device(True)
-    try:
-        yield "cpu"
-    finally:
-        core.simulate_device(False)
-        stats.simulate_device(False)
+    with cpu_as_device() as dev:
+        yield dev
 
 
 def _training(device):
@@ -131,23 +126,145 @@ def test_outside_a_capture_nothing_is_said():
 
 
 def test_the_recorders_writer_is_drained_before_a_capture_begins(monkeypatch, tmp_path):
-    """`torch.cuda.graph` captures in global mode: a read on the writer thread during the
-    capture would break it. The step still being written when the program enters the
-    capture is written first (the capture's own start is pretended: it needs a GPU)."""
+    """A capture in global mode (`torch.cuda.graph`'s default): a read on the writer thread
+    during it would break it. The step still being written when the capture begins is
+    written first (the capture's own start is pretended: it needs a GPU)."""
     import threading
     began = []
-    monkeypatch.setattr(torch.cuda.graphs.graph, "__enter__",
-                        lambda self: began.append(len(written)))
+    graph_class = torch.cuda.graphs.CUDAGraph
+    monkeypatch.setattr(graph_class, "capture_begin", lambda self: began.append(len(written)))
     monkeypatch.setattr(cuda_graphs, "_PATCHED", [])
+    monkeypatch.setattr(cuda_graphs, "_LISTENERS", {k: [] for k in cuda_graphs._LISTENERS})
     model, step = _training("cpu")
     written = []
     rec = mldebug.record(model, run_dir=str(tmp_path), run="drained")
     try:
         slow = threading.Event()
         rec._writer.submit(lambda: (slow.wait(0.5), written.append("step")))
-        torch.cuda.graphs.graph.__enter__(object.__new__(torch.cuda.graphs.graph))
+        graph_class.capture_begin(object.__new__(graph_class))
     finally:
         rec.close()
     assert began == [1]                 # the capture began after the write, not during
-    torch.cuda.graphs.graph.__enter__(object.__new__(torch.cuda.graphs.graph))
+    graph_class.capture_begin(object.__new__(graph_class))
     assert began == [1, 1] and cuda_graphs._PATCHED == []   # closed: as it was
+
+
+class _Log(nn.Module):
+    def forward(self, x):
+        return torch.log(x)
+
+
+@pytest.fixture
+def graphs_pretended(monkeypatch, capture_pretended):
+    """CUDAGraph as on a GPU, pretended: `capture_begin()` starts the 'capture' and
+    `capture_end()` ends it; `replay()` runs the graph's kernels, here a function of the
+    test run as mldebug's own work (a replay's kernels are not seen by Python).
+    Returns capture(run): a graph whose capture runs RUN()."""
+    from mldebug.core.quiet import own_work
+    graphs = torch.cuda.graphs
+
+    def replay(graph):
+        with own_work():
+            graph.kernels()
+
+    monkeypatch.setattr(graphs.CUDAGraph, "capture_begin",
+                        lambda self, *a, **k: capture_pretended.__setitem__(0, True))
+    monkeypatch.setattr(graphs.CUDAGraph, "capture_end",
+                        lambda self: capture_pretended.__setitem__(0, False))
+    monkeypatch.setattr(graphs.CUDAGraph, "replay", replay)
+    monkeypatch.setattr(cuda_graphs, "_PATCHED", [])
+    monkeypatch.setattr(cuda_graphs, "_LISTENERS", {k: [] for k in cuda_graphs._LISTENERS})
+
+    def capture(run):
+        graph = object.__new__(graphs.CUDAGraph)
+        graph.kernels = lambda: None
+        graph.capture_begin()
+        try:
+            run()
+        finally:
+            graph.capture_end()
+        return graph
+    return capture
+
+
+def test_after_a_replay_the_graphs_outputs_are_checked_and_a_nan_stops_at_the_replay(
+        graphs_pretended, device_path):
+    model = nn.Sequential(nn.Linear(4, 4), _Log()).to(device_path)
+    x = torch.ones(2, 4, device=device_path)
+    static = {}
+    stops = []
+    with watch(on_violation=stops.append):
+        graph = graphs_pretended(lambda: static.update(out=model(x)))
+
+        def kernels():                     # what a replay of the graph computes
+            static["out"].copy_(model(x))
+        graph.kernels = kernels
+        with torch.no_grad():
+            model[0].weight.fill_(0.1)
+            model[0].bias.fill_(1.0)
+        graph.replay()
+        assert stops == []                 # finite: one read, no stop
+        with torch.no_grad():
+            model[0].bias.fill_(-5.0)      # the next replay takes the log of negatives
+        replay_line = inspect.currentframe().f_lineno + 1
+        graph.replay()
+    assert len(stops) == 1, stops
+    stop = stops[0]
+    assert stop.kind == "nan" and stop.nan == 8 and stop.torch_op == "CUDAGraph.replay"
+    assert (stop.file, stop.line) == (__file__, replay_line)
+    assert stop.module_type == "Sequential" and stop.stage == "forward"
+    assert "CUDA graph" in stop.text and "without the graph" in stop.text
+    assert cuda_graphs._PATCHED == []       # the watch closed: torch as it was
+
+
+def test_what_the_last_eager_update_made_is_read_before_a_capture(graphs_pretended,
+                                                                    device_path):
+    """On a device the last eager step's update is judged at the next step's read; a
+    capture comes first, and nothing can be read inside it: it is read before."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1).to(device_path)
+    opt = torch.optim.SGD(model.parameters(), lr=float("inf"))
+    x = torch.randn(8, 4, device=device_path)
+    stops = []
+    with watch(on_violation=stops.append):
+        model(x).pow(2).mean().backward()
+        opt.step()                         # the update makes Inf/NaN: judged later
+        assert stops == []
+        graphs_pretended(lambda: None)
+        assert stops and stops[0].stage == "optimizer"
+
+
+def test_in_a_loop_of_replays_what_the_program_does_is_read_at_each_replay(
+        graphs_pretended, device_path):
+    """No optimizer hook fires in a loop of replays: the ops outside the graph (its data
+    copied in) are read before each replay, not held to the end of the program."""
+    model = nn.Linear(4, 4).to(device_path)
+    x = torch.ones(2, 4, device=device_path)
+    stops = []
+    with watch(on_violation=stops.append):
+        model(x).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()   # (an eager step was seen)
+        graph = graphs_pretended(lambda: model(x))
+        for i in range(3):
+            batch = torch.full_like(x, float("nan") if i == 2 else 1.0)  # here
+            x.copy_(batch)
+            graph.replay()
+            assert len(stops) == (1 if i == 2 else 0)   # at this replay, not at the end
+    assert stops[0].line == marker_line(__file__) and stops[0].torch_op == "torch.full_like"
+
+
+def test_a_step_ended_by_hand_inside_a_capture_is_not_a_step(capture_pretended, tmp_path):
+    model, step = _training("cpu")
+    rec = mldebug.record(model, run_dir=str(tmp_path), run="by-hand")
+    try:
+        step()                            # (counted at optimizer.step(): step 1)
+        rec.step()                        # by hand from now on
+        capture_pretended[0] = True
+        rec.step()                        # captured: nothing read, no step counted
+        rec.log_scalar("loss", torch.tensor(1.0))
+        capture_pretended[0] = False
+        assert rec.step_index == 2 and rec._scalars == []
+        rec.step()
+    finally:
+        rec.close()
+    assert rec.step_index == 3

@@ -266,3 +266,54 @@ def test_a_step_captured_in_a_cuda_graph_trains_as_without_mldebug(write_program
     assert "Traceback" not in err
     for part in ("the watch", "the assertions", "mldebug.record", "the step history"):
         assert err.count(f"a CUDA graph is being captured: {part}") == 1, err
+
+
+GRAPH_THAT_MAKES_A_NAN = """
+    import torch
+    from torch import nn
+
+
+    class Log(nn.Module):
+        def forward(self, x):
+            return torch.log(x)
+
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Log()).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.rand(4, 8, device="cuda")
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.fill_(1.0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            model(x).mean().backward()
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        out = model(x)
+        out.mean().backward()
+        opt.step()
+    graph.replay()
+    with torch.no_grad():
+        model[0].bias.fill_(-1.0)     # finite: the next replay takes the log of negatives
+    graph.replay()  # here
+    print("finished")
+"""
+
+
+def test_a_nan_made_inside_a_cuda_graph_stops_at_the_replay(write_program, tmp_path):
+    prog = write_program(GRAPH_THAT_MAKES_A_NAN)
+    report = tmp_path / "r.jsonl"
+    result = run_cli(["--batch", "--report", str(report), str(prog)], timeout=300)
+    assert result.returncode == 3, result.stderr       # a stop (batch mode)
+    assert "Traceback" not in result.stderr, result.stderr
+    first = read_report(report)[0]
+    assert (first["reason"], first["torch_op"], first["line"], first["module_type"]) == (
+        "nan", "CUDAGraph.replay", marker_line(prog), "Sequential")
+    assert first["count"] == 32 and "finished" not in result.stdout

@@ -7,22 +7,28 @@ that invalidates the program's capture; and a captured kernel that writes into m
 allocated before the capture (a recorder's copy block) writes there again at every
 replay, long after that memory may belong to someone else. So every hook of mldebug
 asks `capturing()` first and, while a capture is underway, returns at once: no op, no
-read, nothing of its own changed, as while dynamo traces (`core.compile`). Each part
-says once what it does not see (`step_aside`).
+read, no step counted, as while dynamo traces (`core.compile`); the watch only notes,
+in Python, what the outermost module calls return, to check it after each replay
+(`watch/graph_replays.py`). Each part says once what it does not see (`step_aside`).
 
 The check costs one Python call where CUDA was never initialized, a driver query where
 it was.
 """
 from __future__ import annotations
 
+import bdb
 import functools
+import threading
 import warnings
 from typing import Callable
 
 import torch
 
+from .errors import MLDebugError
+
 _is_initialized = torch.cuda.is_initialized
 _SAID: set = set()    # the parts that said they step aside
+_SAYING = threading.Lock()
 # (the assertions' note: a check reads values to the host, a sync there breaks a capture)
 ASSERTIONS_NOTE = ("the assertions are not checked inside it (a check reads values, and "
                    "its tensors have none until a replay)")
@@ -40,7 +46,10 @@ def step_aside(part: str, what: str) -> bool:
     if not capturing():
         return False
     if part not in _SAID:
-        _SAID.add(part)
+        with _SAYING:                      # (autograd's device threads run hooks too)
+            if part in _SAID:
+                return True
+            _SAID.add(part)
         try:
             warnings.warn(f"mldebug: a CUDA graph is being captured: {what}", RuntimeWarning,
                           stacklevel=3)
@@ -49,61 +58,105 @@ def step_aside(part: str, what: str) -> bool:
     return True
 
 
-# -- before a capture begins -------------------------------------------------------------
-# `torch.cuda.graph` captures in "global" mode by default: while it does, a sync or an
-# allocation on ANY thread is an error that breaks the program's capture. A thread of
-# mldebug that may still be reading a step to the host (the recorder's writer) is
-# drained first: `torch.cuda.graph.__enter__` runs the functions given to
-# `before_capture`, on the capturing thread, before the capture begins.
-_BEFORE: list = []
-_PATCHED: list = []     # [(torch.cuda.graph, its __enter__)] while installed
+# -- around a capture and its replays -----------------------------------------------------
+# A capture in "global" mode (`torch.cuda.graph`'s default, and `capture_begin`'s) makes
+# a sync or an allocation on ANY thread an error that breaks the program's capture. So
+# what mldebug still has to read from before the capture is read first, on the
+# capturing thread (`before_capture`: the recorder's writer is drained, the watch reads
+# what it holds). A replay fires no hook: the watch checks what the graph's outermost
+# module calls returned once it ran (`after_capture` says which graph they belong to,
+# `after_replay` when it ran). `CUDAGraph`'s own methods are wrapped, so `torch.cuda.graph`,
+# `make_graphed_callables`, reduce-overhead's trees and a direct `capture_begin()` all
+# pass through them. Installed while a listener exists.
+_LISTENERS: dict = {"before": [], "captured": [], "replaying": [], "replayed": []}
+_PATCHED: list = []     # [(class, name, original, wrapper)] while installed
 
 
 class _Handle:
-    """What `before_capture` returns: `remove()` takes the function back (as a hook's
-    handle does; the last one out puts `torch.cuda.graph` back as it was)."""
+    """What `before_capture` and the others return: `remove()` takes the function back
+    (as a hook's handle does; the last one out puts torch back as it was)."""
 
-    def __init__(self, fn):
-        self.fn = fn
+    def __init__(self, event: str, fn):
+        self.event, self.fn = event, fn
 
     def remove(self) -> None:
-        if self.fn in _BEFORE:
-            _BEFORE.remove(self.fn)
-        if not _BEFORE:
+        listeners = _LISTENERS[self.event]
+        if self.fn in listeners:
+            listeners.remove(self.fn)
+        if not any(_LISTENERS.values()):
             _uninstall()
 
 
 def before_capture(fn: Callable[[], None]) -> _Handle:
-    """Run FN before every CUDA graph capture begins (its errors are swallowed: it never
-    stands in the program's way)."""
+    """FN() before every CUDA graph capture begins."""
+    return _listen("before", fn)
+
+
+def after_capture(fn: Callable[[object], None]) -> _Handle:
+    """FN(cuda_graph) after a capture ended (`capture_end` returned)."""
+    return _listen("captured", fn)
+
+
+def before_replay(fn: Callable[[object], None]) -> _Handle:
+    """FN(cuda_graph) before each `CUDAGraph.replay()`."""
+    return _listen("replaying", fn)
+
+
+def after_replay(fn: Callable[[object], None]) -> _Handle:
+    """FN(cuda_graph) after each `CUDAGraph.replay()`."""
+    return _listen("replayed", fn)
+
+
+def _listen(event: str, fn) -> _Handle:
     _install()
-    _BEFORE.append(fn)
-    return _Handle(fn)
+    _LISTENERS[event].append(fn)
+    return _Handle(event, fn)
+
+
+def _tell(event: str, *args) -> None:
+    """The listeners of EVENT. Their errors are swallowed (they never stand in the
+    program's way), but for what a stop means to raise: the watch's `action='raise'`,
+    `q` at its prompt, `--batch`'s end."""
+    for fn in list(_LISTENERS[event]):
+        try:
+            fn(*args)
+        except (MLDebugError, bdb.BdbQuit):
+            raise
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def _install() -> None:
     if _PATCHED:
         return
     try:
-        from torch.cuda.graphs import graph
+        from torch.cuda.graphs import CUDAGraph
     except Exception:  # noqa: BLE001 - a torch without CUDA graphs: nothing is captured
         return
-    original = graph.__enter__
 
-    @functools.wraps(original)
-    def __enter__(self):
-        for fn in list(_BEFORE):
-            try:
-                fn()
-            except Exception:  # noqa: BLE001
-                pass
-        return original(self)
+    def wrap(name, before, after):
+        original = getattr(CUDAGraph, name, None)
+        if original is None:
+            return
 
-    graph.__enter__ = __enter__
-    _PATCHED.append((graph, original))
+        @functools.wraps(original)
+        def wrapper(self, *args, **kwargs):
+            if before:
+                _tell(before, *([self] if before == "replaying" else []))
+            out = original(self, *args, **kwargs)
+            if after:
+                _tell(after, self)
+            return out
+        setattr(CUDAGraph, name, wrapper)
+        _PATCHED.append((CUDAGraph, name, original, wrapper))
+
+    wrap("capture_begin", "before", None)
+    wrap("capture_end", None, "captured")
+    wrap("replay", "replaying", "replayed")
 
 
 def _uninstall() -> None:
     while _PATCHED:
-        cls, original = _PATCHED.pop()
-        cls.__enter__ = original
+        cls, name, original, wrapper = _PATCHED.pop()
+        if getattr(cls, name, None) is wrapper:   # (not over a patch made after ours)
+            setattr(cls, name, original)

@@ -28,6 +28,7 @@ from .step_writing import StepWriting, _scalar_rows
 from .store import SCALAR_FLUSH_S, Writer, check_run_name, run_path
 
 LOGS = ("io", "io_grad", "params", "params_grad")
+SCALARS_HELD = 4096     # scalars waiting for a step's end at most: written beyond that
 # capture points: torchfunc's ForwardPre, ForwardInput, ForwardOutput, BackwardInput,
 # BackwardOutput
 _ACTIVE: Optional["Recorder"] = None
@@ -180,7 +181,8 @@ class Recorder(CaptureHooks, IoHolding, StepWriting):
         self.closed = False
         self._lock = threading.Lock()
         self._handles: list = []       # hooks of the recorded step
-        self._global: list = []        # optimizer hooks, for the whole recording
+        self._global: list = []        # hooks for the whole recording
+        self._opt_hooks: list = []     # the optimizer's (the automatic step boundary)
         self._scalars: list = []       # (step, name, value or tensor)
         self._notes: list = []
         self._last_flush = time.monotonic()
@@ -216,7 +218,7 @@ class Recorder(CaptureHooks, IoHolding, StepWriting):
             # queue is drained before one begins
             self._global.append(_cuda_graphs.before_capture(self._writer.flush))
             if not self.manual and self.model is not None:
-                self._global += [
+                self._opt_hooks = [
                     _optim_hooks.register_optimizer_step_pre_hook(self._opt_pre),
                     _optim_hooks.register_optimizer_step_post_hook(self._opt_post)]
             self._begin_step()
@@ -233,7 +235,9 @@ class Recorder(CaptureHooks, IoHolding, StepWriting):
             return
         self.closed = True
         try:
-            if self.recording and (self._batch or self._entries or self._cap_store):
+            if cuda_graph_aside():
+                pass     # closed inside a capture: nothing more is read (a sync breaks it)
+            elif self.recording and (self._batch or self._entries or self._cap_store):
                 self._finish_step()
             else:
                 self._flush_scalars(force=True)
@@ -242,6 +246,7 @@ class Recorder(CaptureHooks, IoHolding, StepWriting):
         finally:
             self._remove(self._handles)
             self._remove(self._global)
+            self._remove(self._opt_hooks)
             self._tensor_hooks_off()
             if _ACTIVE is self:
                 _ACTIVE = None
@@ -331,9 +336,9 @@ class Recorder(CaptureHooks, IoHolding, StepWriting):
             raise UsageError("record: step() after close()")
         if not self.manual:
             self.manual = True
-            for h in self._global[1:]:
-                h.remove()
-            del self._global[1:]
+            self._remove(self._opt_hooks)
+        if cuda_graph_aside():   # (a step captured runs at the replays: not one now)
+            return
         self._end_step()
 
     def _end_step(self) -> None:
@@ -516,11 +521,15 @@ class Recorder(CaptureHooks, IoHolding, StepWriting):
             if value.numel() != 1:
                 raise UsageError(f"log_scalar: {name!r} must be a number or a one-element "
                                  f"tensor, got a tensor of shape {list(value.shape)}")
+            if cuda_graph_aside():
+                return      # a tensor being captured has no value before a replay
             value = value.detach().reshape(())   # read at the next write: no sync now
         elif not isinstance(value, (int, float, np.number)) or isinstance(value, bool):
             raise UsageError(f"log_scalar: {name!r} must be a number, got "
                              f"{type(value).__name__}")
         self._scalars.append((self._log_step(), name, value))
+        if len(self._scalars) >= SCALARS_HELD:
+            self._flush_scalars(force=True)   # (no step ends: a loop of graph replays)
 
     def log_note(self, text: str) -> None:
         self._notes.append((self._log_step(), time.time(), str(text)))

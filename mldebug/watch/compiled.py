@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import torch
 
 from ..core.compile import compiling as _compiling
+from .step_ledger import cuda_graph_aside
 from ..core import frames as _frames
 from ..core.records import Violation
 from ..core.structs import tensors_in
@@ -86,8 +87,8 @@ class CompiledBoundary:
     """Methods of `Watch`: the check of what a compiled function returned."""
 
     def _compiled_returned(self, fn, args, kwargs, out) -> None:
-        if self._skip or threading.get_ident() != self._owner:
-            return
+        if self._skip or threading.get_ident() != self._owner or cuda_graph_aside():
+            return     # (called inside the program's CUDA graph capture: no read there)
         # floating outputs, as the per-op check (integer, bool and complex ones never are)
         outs = [t for t in tensors_in(out) if t.is_floating_point()]
         if not outs:

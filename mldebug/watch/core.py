@@ -46,6 +46,7 @@ from .compiled import CompiledBoundary
 from .checks import _ALLOWED, METADATA_KEY, _caller
 from .context import ModuleNames
 from .device_window import DeviceWindow
+from .graph_replays import GraphReplays
 from .dispatch import _OP_INFOS, PerOpCheck, _Mode, _skip_dynamo
 from .module_tier import ModuleTier
 from .optimizer_tier import OptimizerTier
@@ -100,7 +101,7 @@ def active_watch():
 
 
 class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, BackwardTier,
-            OptimizerTier, CompiledBoundary):
+            OptimizerTier, CompiledBoundary, GraphReplays):
     """A running numerics watch. Use as a context manager or call `close()`.
 
     `enabled` is True while it checks ops (started, not suspended, not in a worker
@@ -181,6 +182,7 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
             # (exact mode too: stops found on autograd's device threads pause after it)
             _autograd_patch.add(self._around_backward)
             self._amp.start()
+            self._graphs_start()            # a CUDA graph's outputs, after its replays
         except BaseException:
             self._close_mode()
             raise
@@ -211,6 +213,7 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
                 handle.remove()
             self._handles = []
             _autograd_patch.remove(self._around_backward)
+            self._graphs_close()
             _compiled.uninstall()
             _data_origin.uninstall()
             self._amp.stop()
@@ -295,7 +298,10 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
 
     # -- hooks -----------------------------------------------------------------------
     def _module_pre(self, module, args):
-        if _compiling() or self._skip or _get_ident() != self._owner or cuda_graph_aside():
+        if _compiling() or self._skip or _get_ident() != self._owner:
+            return None
+        if cuda_graph_aside():
+            self._captured_call_begins()
             return None
         if self._stash:
             self._deliver_stash()
@@ -346,7 +352,10 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
                       "inside by re-running the call", RuntimeWarning, stacklevel=4)
 
     def _module_post(self, module, args, output):
-        if _compiling() or self._skip or _get_ident() != self._owner or cuda_graph_aside():
+        if _compiling() or self._skip or _get_ident() != self._owner:
+            return None
+        if cuda_graph_aside():
+            self._captured_call_ends(module, output)   # (checked after each replay)
             return None
         top = self._top
         t = self._t

@@ -38,8 +38,9 @@ _log = logging.getLogger(__name__)
 _UNREADABLE: list = []     # the first tensor the ledger could not read (said once)
 # what the watch says, once, when it first steps aside for a CUDA graph capture
 CAPTURE_NOTE = ("the watch does not check inside it (its kernels have no values until a "
-                "replay, and a read would break the capture); it checks the tensors the "
-                "program uses after a replay")
+                "replay, and a read would break the capture); it checks the outputs of "
+                "the model called in it after each replay, and what the program computes "
+                "with them")
 _GROUP = 64
 _GROUP_BYTES = 64 << 20
 

@@ -1,0 +1,142 @@
+"""CUDA graphs: the watch checks what a captured graph's outermost module calls return,
+after each replay (issue 22).
+
+While a graph is captured the watch steps aside (`core.cuda_graphs`): no op of its own
+may be captured, and no value can be read. It only notes, in Python, the tensors that
+the outermost module calls there return: the graph's static outputs, which every replay
+writes again. Once the capture has ended well (`after_capture`) they are kept with the
+graph (weakly: a graph let go takes them along), and after each `replay()`
+(`after_replay`) one reduction over them and one read check them. A NaN/Inf stops at the
+user's line that replayed the graph, naming the module. It is not pinned to an op: a
+replay runs captured kernels, not Python (and re-running it would take an optimizer step
+in it twice), so the stop says how to pin it instead.
+
+Before a capture the watch reads what it holds (the last eager step's parameters and
+update: they could not be read inside it), and before each replay of a graph it follows
+what the program did since (its data copied into the graph's inputs): a loop of replays
+fires no optimizer hook, the watch's usual read. So such a loop costs up to two reads a
+replay, as an eager step costs one.
+
+A module graphed by `make_graphed_callables`, or compiled with reduce-overhead, is also
+called as a module, so its hooks check it at that boundary like any module.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+
+from ..core import cuda_graphs as _cuda_graphs
+from ..core import frames as _frames
+from ..core.records import Violation
+from ..core.structs import tensors_in
+from .checks import _caller, _counts, _summary
+from .step_ledger import StepLedger, first_bad
+
+_get_ident = threading.get_ident
+
+
+class GraphReplays:
+    """Methods of `Watch`: the outputs of a captured graph, checked after its replays."""
+
+    def _graphs_start(self) -> None:
+        self._capture_depth = 0
+        self._capture_outs: list = []      # (module, tensors) of the capture underway
+        self._graph_outs = weakref.WeakKeyDictionary()   # graph -> ([(module, ts)], site)
+        self._graph_handles = [_cuda_graphs.before_capture(self._capture_begins),
+                               _cuda_graphs.after_capture(self._graph_captured),
+                               _cuda_graphs.before_replay(self._graph_replaying),
+                               _cuda_graphs.after_replay(self._graph_replayed)]
+
+    def _graphs_close(self) -> None:
+        for handle in getattr(self, "_graph_handles", ()):
+            handle.remove()
+        self._graph_handles = []
+        self._capture_outs = []
+        self._graph_outs = weakref.WeakKeyDictionary()
+
+    def _capture_begins(self) -> None:
+        """Before a capture: what the ledger holds is read now, while it has values
+        (the last eager step's parameters and update: inside the capture nothing can be
+        read, and no optimizer hook fires at the replays). What a capture that raised
+        had noted is dropped: it made no graph."""
+        self._capture_outs, self._capture_depth = [], 0
+        if (self._ledger or self._win) and not self._skip and _get_ident() == self._owner:
+            self._read_ledger()
+
+    def _captured_call_begins(self) -> None:
+        self._capture_depth += 1
+
+    def _captured_call_ends(self, module, output) -> None:
+        """A module call in a capture returned: an outermost one's floating outputs are
+        noted (Python only: nothing is dispatched)."""
+        self._capture_depth = max(self._capture_depth - 1, 0)
+        if self._capture_depth:
+            return
+        outs = [t for t in tensors_in(output) if t.is_floating_point()]
+        if outs:
+            self._capture_outs.append((module, outs))
+
+    def _graph_captured(self, graph) -> None:
+        outs, self._capture_outs, self._capture_depth = self._capture_outs, [], 0
+        if not outs or self._skip or _get_ident() != self._owner:
+            return
+        frame = _frames.user_frame(_caller(1))
+        file, line, _ = _frames.location(frame)
+        try:
+            self._graph_outs[graph] = (outs, f"{file}:{line}" if file else "")
+        except TypeError:    # a graph object without weak references: not followed
+            pass
+
+    def _followed(self, graph):
+        """(outputs, capture site) of GRAPH when the watch follows it, else None."""
+        if self._skip or _get_ident() != self._owner:
+            return None
+        try:
+            return self._graph_outs.get(graph)
+        except TypeError:
+            return None
+
+    def _graph_replaying(self, graph) -> None:
+        """Before a replay: what the program did since the last read (its data copied
+        into the graph's inputs) is read now, before the replay writes over what a judge
+        would re-run from; no optimizer hook fires in a loop of replays to read it."""
+        if (self._ledger or self._win) and self._followed(graph) is not None:
+            self._read_ledger()
+
+    def _graph_replayed(self, graph) -> None:
+        got = self._followed(graph)
+        if got is None:
+            return
+        outs, site = got
+        flat = [t for _, ts in outs for t in ts]
+        with self._own_ops():
+            ledger = StepLedger()           # (one reduction per device and dtype, one read)
+            slots = ledger.hold(flat, alive=True)
+            values, _, _ = ledger.take()
+            if values is None:
+                return
+            k = next(i for i, slot in enumerate(slots)
+                     if first_bad(values, (slot,)) is not None)
+            bad = flat[k]
+            module = next(m for m, ts in outs for t in ts if t is bad)
+            nan, posinf, neginf = _counts(bad)
+            output = _summary(bad)
+        self._report_replayed(module, site, nan, posinf, neginf, output)
+
+    def _report_replayed(self, module, site, nan, posinf, neginf, output) -> None:
+        kind = "nan" if nan or not (posinf or neginf) else "inf"
+        if kind not in self.break_on and not (kind == "inf" and "inf-all" in self.break_on):
+            return
+        path, mtype = self._names.path((module, None))
+        frame = _frames.user_frame(_caller(2))
+        file, line, function = _frames.location(frame)
+        where = f" captured at {site}" if site else ""
+        self._report(Violation(
+            kind=kind, torch_op="CUDAGraph.replay", module=path, module_type=mtype,
+            stage="forward", frame=frame, file=file, line=line, function=function,
+            nan=nan, posinf=posinf, neginf=neginf, created=True, output=output,
+            step=self._steps if self._opt_seen else None,
+            text=(f"the output of {path or mtype} after a replay of the CUDA graph{where}: "
+                  "made inside the graph, whose kernels the watch does not see one by one; "
+                  "run the step without the graph and mldebug pins the op and its line")))
+
