@@ -133,8 +133,7 @@ def test_the_recorders_writer_is_drained_before_a_capture_begins(monkeypatch, tm
     began = []
     graph_class = torch.cuda.graphs.CUDAGraph
     monkeypatch.setattr(graph_class, "capture_begin", lambda self: began.append(len(written)))
-    monkeypatch.setattr(cuda_graphs, "_PATCHED", [])
-    monkeypatch.setattr(cuda_graphs, "_LISTENERS", {k: [] for k in cuda_graphs._LISTENERS})
+    _fresh_wrappers(monkeypatch)
     model, step = _training("cpu")
     written = []
     rec = mldebug.record(model, run_dir=str(tmp_path), run="drained")
@@ -146,12 +145,23 @@ def test_the_recorders_writer_is_drained_before_a_capture_begins(monkeypatch, tm
         rec.close()
     assert began == [1]                 # the capture began after the write, not during
     graph_class.capture_begin(object.__new__(graph_class))
-    assert began == [1, 1] and cuda_graphs._PATCHED == []   # closed: as it was
+    assert began == [1, 1] and cuda_graphs._LISTENERS["before"] == []   # closed: gone
 
 
 class _Log(nn.Module):
     def forward(self, x):
         return torch.log(x)
+
+
+def _fresh_wrappers(monkeypatch):
+    """mldebug's wrappers of torch's graph methods made afresh over the test's stand-ins
+    (and torch's methods as they were after the test)."""
+    graphs = torch.cuda.graphs
+    for cls, name in ((graphs.graph, "__enter__"), (graphs.CUDAGraph, "capture_begin"),
+                      (graphs.CUDAGraph, "capture_end"), (graphs.CUDAGraph, "replay")):
+        monkeypatch.setattr(cls, name, getattr(cls, name), raising=False)
+    monkeypatch.setattr(cuda_graphs, "_PATCHED", [])
+    monkeypatch.setattr(cuda_graphs, "_LISTENERS", {k: [] for k in cuda_graphs._LISTENERS})
 
 
 @pytest.fixture
@@ -172,8 +182,7 @@ def graphs_pretended(monkeypatch, capture_pretended):
     monkeypatch.setattr(graphs.CUDAGraph, "capture_end",
                         lambda self: capture_pretended.__setitem__(0, False))
     monkeypatch.setattr(graphs.CUDAGraph, "replay", replay)
-    monkeypatch.setattr(cuda_graphs, "_PATCHED", [])
-    monkeypatch.setattr(cuda_graphs, "_LISTENERS", {k: [] for k in cuda_graphs._LISTENERS})
+    _fresh_wrappers(monkeypatch)
 
     def capture(run):
         graph = object.__new__(graphs.CUDAGraph)
@@ -197,7 +206,7 @@ def test_after_a_replay_the_graphs_outputs_are_checked_and_a_nan_stops_at_the_re
         graph = graphs_pretended(lambda: static.update(out=model(x)))
 
         def kernels():                     # what a replay of the graph computes
-            static["out"].copy_(model(x))
+            static["out"].data.copy_(model(x))
         graph.kernels = kernels
         with torch.no_grad():
             model[0].weight.fill_(0.1)
@@ -214,7 +223,7 @@ def test_after_a_replay_the_graphs_outputs_are_checked_and_a_nan_stops_at_the_re
     assert (stop.file, stop.line) == (__file__, replay_line)
     assert stop.module_type == "Sequential" and stop.stage == "forward"
     assert "CUDA graph" in stop.text and "without the graph" in stop.text
-    assert cuda_graphs._PATCHED == []       # the watch closed: torch as it was
+    assert not any(cuda_graphs._LISTENERS.values())       # the watch closed: gone
 
 
 def test_what_the_last_eager_update_made_is_read_before_a_capture(graphs_pretended,
@@ -268,3 +277,83 @@ def test_a_step_ended_by_hand_inside_a_capture_is_not_a_step(capture_pretended, 
     finally:
         rec.close()
     assert rec.step_index == 3
+
+
+def _graphed_log(graphs_pretended, device, watch_kwargs, replays):
+    """A graph whose outputs turn NaN from the second replay on; REPLAYS replays, then an
+    eager op on its output. Returns the stops."""
+    model = nn.Sequential(nn.Linear(4, 4), _Log()).to(device)
+    x = torch.ones(2, 4, device=device)
+    static, stops = {}, []
+    with watch(on_violation=stops.append, **watch_kwargs):
+        graph = graphs_pretended(lambda: static.update(out=model(x)))
+        # (a replay's kernels write without moving the tensor's version counter)
+        graph.kernels = lambda: static["out"].data.copy_(model(x))
+        for i in range(replays):
+            with torch.no_grad():
+                model[0].bias.fill_(1.0 if i == 0 else -5.0)
+                model[0].weight.fill_(0.1)
+            graph.replay()
+        static["out"] * 2                 # the program uses the outputs
+    return stops
+
+
+def test_a_graph_that_stays_bad_stops_once_and_what_it_feeds_is_no_new_stop(
+        graphs_pretended, device_path):
+    stops = _graphed_log(graphs_pretended, device_path, {}, replays=4)
+    assert [s.torch_op for s in stops] == ["CUDAGraph.replay"]
+
+
+def test_allow_silences_a_replays_stop(graphs_pretended, device_path):
+    stops = _graphed_log(graphs_pretended, device_path, {"allow": ("CUDAGraph.replay",)},
+                         replays=2)
+    assert [s.torch_op for s in stops if s.torch_op == "CUDAGraph.replay"] == []
+
+
+def test_a_graph_replayed_inside_a_module_call_is_checked_by_the_modules_hooks_only(
+        graphs_pretended, device_path):
+    """As `make_graphed_callables` does: the graph is captured and replayed inside the
+    module's call; no read of ours in the middle of the call, the module's hooks judge."""
+    inner = nn.Sequential(nn.Linear(4, 4), _Log()).to(device_path)
+    with torch.no_grad():
+        inner[0].weight.fill_(0.1)
+        inner[0].bias.fill_(1.0)
+    x = torch.ones(2, 4, device=device_path)
+    static = {}
+
+    class Graphed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+            self.graph = None
+
+        def forward(self, x):
+            if self.graph is None:
+                self.graph = graphs_pretended(lambda: static.update(out=inner(x)))
+                self.graph.kernels = lambda: static["out"].data.copy_(inner(x))
+            self.graph.replay()
+            return static["out"].clone()
+
+    model, stops = Graphed(), []
+    with watch(on_violation=stops.append) as w:
+        model(x)
+        model(x)
+        assert w._graph_outs.get(model.graph) is None   # not followed: judged as a module
+    assert stops == []                      # finite
+
+
+def test_a_logged_scalar_is_the_value_it_had_when_logged(tmp_path):
+    """A CUDA graph's loss is written over in place at every replay: each logged value is
+    kept as it was (one copy on the device, no read)."""
+    from mldebug.record import open_run
+    model, _ = _training("cpu")
+    loss = torch.zeros(())
+    rec = mldebug.record(model, run_dir=str(tmp_path), run="scalars")
+    try:
+        for i in range(3):
+            loss.fill_(float(i))
+            rec.log_scalar("loss", loss)
+    finally:
+        rec.close()
+    with open_run(rec.path) as run:
+        assert [v for _, v in run.scalars("loss")["loss"]] == [0.0, 1.0, 2.0]

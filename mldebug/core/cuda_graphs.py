@@ -63,18 +63,24 @@ def step_aside(part: str, what: str) -> bool:
 # a sync or an allocation on ANY thread an error that breaks the program's capture. So
 # what mldebug still has to read from before the capture is read first, on the
 # capturing thread (`before_capture`: the recorder's writer is drained, the watch reads
-# what it holds). A replay fires no hook: the watch checks what the graph's outermost
-# module calls returned once it ran (`after_capture` says which graph they belong to,
-# `after_replay` when it ran). `CUDAGraph`'s own methods are wrapped, so `torch.cuda.graph`,
-# `make_graphed_callables`, reduce-overhead's trees and a direct `capture_begin()` all
-# pass through them. Installed while a listener exists.
+# what it holds): from `torch.cuda.graph.__enter__` before it syncs and switches to its
+# capture stream (a stop there leaves the program's streams as they were), and again,
+# for a direct `capture_begin()`, from that (by then there is nothing left to read). A
+# replay fires no hook: the watch checks what the graph's outermost module calls returned
+# once it ran (`after_capture` says which graph they belong to, `before_replay` and
+# `after_replay` when it runs). `CUDAGraph`'s own methods are wrapped, so
+# `torch.cuda.graph`, `make_graphed_callables`, reduce-overhead's trees and a direct
+# `capture_begin()` all pass through them. Installed once, at the first listener, and
+# left in place (a wrapper with no listener costs a call; taken out it could leave ours
+# buried under a later patch and wrap twice); no listener runs while this thread
+# captures.
 _LISTENERS: dict = {"before": [], "captured": [], "replaying": [], "replayed": []}
-_PATCHED: list = []     # [(class, name, original, wrapper)] while installed
+_PATCHED: list = []     # [(class, name, original)] once installed
 
 
 class _Handle:
     """What `before_capture` and the others return: `remove()` takes the function back
-    (as a hook's handle does; the last one out puts torch back as it was)."""
+    (as a hook's handle does)."""
 
     def __init__(self, event: str, fn):
         self.event, self.fn = event, fn
@@ -83,8 +89,6 @@ class _Handle:
         listeners = _LISTENERS[self.event]
         if self.fn in listeners:
             listeners.remove(self.fn)
-        if not any(_LISTENERS.values()):
-            _uninstall()
 
 
 def before_capture(fn: Callable[[], None]) -> _Handle:
@@ -114,10 +118,14 @@ def _listen(event: str, fn) -> _Handle:
 
 
 def _tell(event: str, *args) -> None:
-    """The listeners of EVENT. Their errors are swallowed (they never stand in the
-    program's way), but for what a stop means to raise: the watch's `action='raise'`,
-    `q` at its prompt, `--batch`'s end."""
-    for fn in list(_LISTENERS[event]):
+    """The listeners of EVENT, unless this thread captures (a replay inside another
+    capture: nothing of ours may run there). Their errors are swallowed (they never
+    stand in the program's way), but for what a stop means to raise: the watch's
+    `action='raise'`, `q` at its prompt, `--batch`'s end."""
+    listeners = _LISTENERS[event]
+    if not listeners or capturing():
+        return
+    for fn in list(listeners):
         try:
             fn(*args)
         except (MLDebugError, bdb.BdbQuit):
@@ -130,12 +138,12 @@ def _install() -> None:
     if _PATCHED:
         return
     try:
-        from torch.cuda.graphs import CUDAGraph
+        from torch.cuda.graphs import CUDAGraph, graph
     except Exception:  # noqa: BLE001 - a torch without CUDA graphs: nothing is captured
         return
 
-    def wrap(name, before, after):
-        original = getattr(CUDAGraph, name, None)
+    def wrap(cls, name, before, after):
+        original = getattr(cls, name, None)
         if original is None:
             return
 
@@ -147,16 +155,10 @@ def _install() -> None:
             if after:
                 _tell(after, self)
             return out
-        setattr(CUDAGraph, name, wrapper)
-        _PATCHED.append((CUDAGraph, name, original, wrapper))
+        setattr(cls, name, wrapper)
+        _PATCHED.append((cls, name, original))
 
-    wrap("capture_begin", "before", None)
-    wrap("capture_end", None, "captured")
-    wrap("replay", "replaying", "replayed")
-
-
-def _uninstall() -> None:
-    while _PATCHED:
-        cls, name, original, wrapper = _PATCHED.pop()
-        if getattr(cls, name, None) is wrapper:   # (not over a patch made after ours)
-            setattr(cls, name, original)
+    wrap(graph, "__enter__", "before", None)
+    wrap(CUDAGraph, "capture_begin", "before", None)
+    wrap(CUDAGraph, "capture_end", None, "captured")
+    wrap(CUDAGraph, "replay", "replaying", "replayed")

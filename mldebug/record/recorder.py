@@ -523,12 +523,14 @@ class Recorder(CaptureHooks, IoHolding, StepWriting):
                                  f"tensor, got a tensor of shape {list(value.shape)}")
             if cuda_graph_aside():
                 return      # a tensor being captured has no value before a replay
-            value = value.detach().reshape(())   # read at the next write: no sync now
+            # read at the next write: no sync now; a copy, as the tensor may be written
+            # over in place by then (a CUDA graph's static loss at every replay)
+            value = value.detach().reshape(()).clone()
         elif not isinstance(value, (int, float, np.number)) or isinstance(value, bool):
             raise UsageError(f"log_scalar: {name!r} must be a number, got "
                              f"{type(value).__name__}")
         self._scalars.append((self._log_step(), name, value))
-        if len(self._scalars) >= SCALARS_HELD:
+        if len(self._scalars) >= SCALARS_HELD and not cuda_graph_aside():
             self._flush_scalars(force=True)   # (no step ends: a loop of graph replays)
 
     def log_note(self, text: str) -> None:

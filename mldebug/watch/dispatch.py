@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core import frames as _frames
+from ..core import cuda_graphs as _cuda_graphs
 from .checks import (_F32, _LOW, _SUM_DTYPE, _checkable, _getframe, _grad_enabled,
                      _isfinite)
 from .ops import OpInfo
@@ -92,7 +93,7 @@ class _Mode(TorchDispatchMode):
             return op(*args, **kwargs) if kwargs else op(*args)
         if w._pending:
             w._attach_provenance()
-        if w._stash:
+        if w._stash and not _cuda_graphs.capturing():   # (no prompt inside a CUDA graph capture)
             w._deliver_stash()
         if info.mutated and w._ledger.sources:
             w._before_mutation(w._mutated(info, args, kwargs))

@@ -29,7 +29,8 @@ from ..core import cuda_graphs as _cuda_graphs
 from ..core import frames as _frames
 from ..core.records import Violation
 from ..core.structs import tensors_in
-from .checks import _caller, _counts, _summary
+from .checks import _ALLOWED, _caller, _counts, _summary
+from .ops import matches
 from .step_ledger import StepLedger, first_bad
 
 _get_ident = threading.get_ident
@@ -40,8 +41,10 @@ class GraphReplays:
 
     def _graphs_start(self) -> None:
         self._capture_depth = 0
-        self._capture_outs: list = []      # (module, tensors) of the capture underway
+        self._capture_outs: list = []      # (module, [weakref]) of the capture underway
+        self._capture_stepped = False      # an optimizer step in the capture underway
         self._graph_outs = weakref.WeakKeyDictionary()   # graph -> ([(module, ts)], site)
+        self._graph_bad: set = set()       # ids of graphs whose last replay stopped
         self._graph_handles = [_cuda_graphs.before_capture(self._capture_begins),
                                _cuda_graphs.after_capture(self._graph_captured),
                                _cuda_graphs.before_replay(self._graph_replaying),
@@ -54,13 +57,24 @@ class GraphReplays:
         self._capture_outs = []
         self._graph_outs = weakref.WeakKeyDictionary()
 
+    def _mine_at_top(self) -> bool:
+        """This watch's thread, running, and not inside a module call: a graphed module
+        (`make_graphed_callables`, reduce-overhead's trees) captures and replays inside
+        its call, where its hooks check it at the boundary and a read of ours would run
+        in the middle of the call (inside the trees' lock, a re-run would deadlock)."""
+        return not self._skip and _get_ident() == self._owner and self._top is None
+
     def _capture_begins(self) -> None:
-        """Before a capture: what the ledger holds is read now, while it has values
-        (the last eager step's parameters and update: inside the capture nothing can be
-        read, and no optimizer hook fires at the replays). What a capture that raised
-        had noted is dropped: it made no graph."""
-        self._capture_outs, self._capture_depth = [], 0
-        if (self._ledger or self._win) and not self._skip and _get_ident() == self._owner:
+        """Before a capture begins (before `torch.cuda.graph` switches streams): what the
+        ledger holds is read now, while it has values (the last eager step's parameters
+        and update: no optimizer hook fires at the replays), and a stop found on
+        autograd's device threads pauses now, not inside the capture."""
+        if not self._mine_at_top():
+            return
+        self._capture_outs, self._capture_depth, self._capture_stepped = [], 0, False
+        if self._stash:
+            self._deliver_stash()
+        if self._ledger or self._win:
             self._read_ledger()
 
     def _captured_call_begins(self) -> None:
@@ -68,18 +82,27 @@ class GraphReplays:
 
     def _captured_call_ends(self, module, output) -> None:
         """A module call in a capture returned: an outermost one's floating outputs are
-        noted (Python only: nothing is dispatched)."""
+        noted (Python only: nothing is dispatched), weakly: one the program lets go within
+        the capture can still be reused by the graph's memory pool."""
         self._capture_depth = max(self._capture_depth - 1, 0)
         if self._capture_depth:
             return
-        outs = [t for t in tensors_in(output) if t.is_floating_point()]
+        outs = [weakref.ref(t) for t in tensors_in(output) if t.is_floating_point()]
         if outs:
             self._capture_outs.append((module, outs))
 
+    def _captured_step(self) -> None:
+        self._capture_stepped = True
+
     def _graph_captured(self, graph) -> None:
-        outs, self._capture_outs, self._capture_depth = self._capture_outs, [], 0
-        if not outs or self._skip or _get_ident() != self._owner:
+        if not self._mine_at_top():
             return
+        noted, self._capture_outs, self._capture_depth = self._capture_outs, [], 0
+        outs = [(m, alive) for m, refs in noted
+                if (alive := [t for t in (r() for r in refs) if t is not None])]
+        stepped, self._capture_stepped = self._capture_stepped, False
+        if not outs and not stepped:
+            return       # (one with a step in it is followed too: its replays are steps)
         frame = _frames.user_frame(_caller(1))
         file, line, _ = _frames.location(frame)
         try:
@@ -89,7 +112,7 @@ class GraphReplays:
 
     def _followed(self, graph):
         """(outputs, capture site) of GRAPH when the watch follows it, else None."""
-        if self._skip or _get_ident() != self._owner:
+        if not self._mine_at_top():
             return None
         try:
             return self._graph_outs.get(graph)
@@ -105,7 +128,7 @@ class GraphReplays:
 
     def _graph_replayed(self, graph) -> None:
         got = self._followed(graph)
-        if got is None:
+        if got is None or not got[0]:
             return
         outs, site = got
         flat = [t for _, ts in outs for t in ts]
@@ -114,13 +137,22 @@ class GraphReplays:
             slots = ledger.hold(flat, alive=True)
             values, _, _ = ledger.take()
             if values is None:
+                if id(graph) in self._graph_bad:     # finite again: judged afresh
+                    self._graph_bad.discard(id(graph))
+                    for t in flat:
+                        self._taint.pop(t.untyped_storage().data_ptr(), None)
                 return
+            if id(graph) in self._graph_bad:
+                return       # stopped at an earlier replay, and not finite since
+            self._graph_bad.add(id(graph))
             k = next(i for i, slot in enumerate(slots)
                      if first_bad(values, (slot,)) is not None)
             bad = flat[k]
             module = next(m for m, ts in outs for t in ts if t is bad)
             nan, posinf, neginf = _counts(bad)
             output = _summary(bad)
+        # what the program computes from them next came in with them: no second stop
+        self._taint_outputs(flat, True)
         self._report_replayed(module, site, nan, posinf, neginf, output)
 
     def _report_replayed(self, module, site, nan, posinf, neginf, output) -> None:
@@ -128,6 +160,9 @@ class GraphReplays:
         if kind not in self.break_on and not (kind == "inf" and "inf-all" in self.break_on):
             return
         path, mtype = self._names.path((module, None))
+        patterns = tuple(_ALLOWED) + self.allow
+        if patterns and matches(patterns, tuple(n for n in ("CUDAGraph.replay", path) if n)):
+            return
         frame = _frames.user_frame(_caller(2))
         file, line, function = _frames.location(frame)
         where = f" captured at {site}" if site else ""
@@ -139,4 +174,3 @@ class GraphReplays:
             text=(f"the output of {path or mtype} after a replay of the CUDA graph{where}: "
                   "made inside the graph, whose kernels the watch does not see one by one; "
                   "run the step without the graph and mldebug pins the op and its line")))
-

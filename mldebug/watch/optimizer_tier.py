@@ -29,7 +29,10 @@ class OptimizerTier:
     """Methods of `Watch` for the optimizer step (state in `Watch._t` and the Watch)."""
 
     def _optimizer_pre(self, optimizer, args, kwargs):
-        if self._skip or _get_ident() != self._owner or cuda_graph_aside():
+        if self._skip or _get_ident() != self._owner:
+            return None
+        if cuda_graph_aside():
+            self._captured_step()    # (its replays are steps: graph_replays.py)
             return None
         if self._stash:
             self._deliver_stash()

@@ -273,14 +273,13 @@ class DeviceReads:
         """The read: one transfer; the judges run when it shows a NaN/Inf (and those
         that always run, run anyway), oldest first."""
         ledger = self._ledger
+        if cuda_graph_aside():
+            # a read would break the capture: what is held (made before it, with values;
+            # nothing is held inside it) waits for the first read after it
+            return
         if self._win:            # (what the ledger holds of it is read now: judged too)
             self._window_to_ledger()
         if not ledger:
-            return
-        if cuda_graph_aside():
-            # a read would break the capture, and what it holds has no values yet (a
-            # captured graph runs later, at its replay): let it go
-            ledger.take_nothing()
             return
         with self._own_ops():
             values, judges, held = ledger.take()

@@ -105,8 +105,9 @@ def test_a_subclass_is_checked_by_its_local_values_or_not_at_all():
 
 def test_under_cuda_graph_capture_nothing_is_read_and_it_is_said_once(monkeypatch):
     """A read (a sync) would break a capture, and a captured graph's tensors have no values
-    until it is replayed: the ledger lets them go, with one warning (the capture itself
-    needs a GPU: here the CPU takes the device path and the capture is pretended)."""
+    until it is replayed: the watch holds nothing of it and reads nothing, with one
+    warning (the capture itself needs a GPU: here the CPU takes the device path and the
+    capture is pretended)."""
     import warnings
     import torch.nn as nn
     from mldebug.watch import core, watch
