@@ -44,7 +44,7 @@ class GraphReplays:
         self._capture_outs: list = []      # (module, [weakref]) of the capture underway
         self._capture_stepped = False      # an optimizer step in the capture underway
         self._graph_outs = weakref.WeakKeyDictionary()   # graph -> ([(module, ts)], site)
-        self._graph_bad: set = set()       # ids of graphs whose last replay stopped
+        self._graph_bad = weakref.WeakSet()   # graphs whose last replay stopped
         self._graph_handles = [_cuda_graphs.before_capture(self._capture_begins),
                                _cuda_graphs.after_capture(self._graph_captured),
                                _cuda_graphs.before_replay(self._graph_replaying),
@@ -137,14 +137,14 @@ class GraphReplays:
             slots = ledger.hold(flat, alive=True)
             values, _, _ = ledger.take()
             if values is None:
-                if id(graph) in self._graph_bad:     # finite again: judged afresh
-                    self._graph_bad.discard(id(graph))
+                if graph in self._graph_bad:     # finite again: judged afresh
+                    self._graph_bad.discard(graph)
                     for t in flat:
                         self._taint.pop(t.untyped_storage().data_ptr(), None)
                 return
-            if id(graph) in self._graph_bad:
+            if graph in self._graph_bad:
                 return       # stopped at an earlier replay, and not finite since
-            self._graph_bad.add(id(graph))
+            self._graph_bad.add(graph)
             k = next(i for i, slot in enumerate(slots)
                      if first_bad(values, (slot,)) is not None)
             bad = flat[k]
