@@ -53,6 +53,7 @@ from opcount import count_calls, count_step  # noqa: E402
 
 import mldebug  # noqa: E402
 from mldebug.graph import Capture  # noqa: E402
+from mldebug.record import block_graphs  # noqa: E402
 from mldebug.record.history import History  # noqa: E402
 
 LOGS = ("io", "io_grad", "params", "params_grad")
@@ -118,6 +119,9 @@ class _Null:
         return False
 
 
+EAGER = "bench_record.py: record@1:eager"
+
+
 def make_variants(make, device, run_dir, texp):
     def rec(every):
         return lambda v: mldebug.record(v.model, log=LOGS, every=every, run_dir=run_dir,
@@ -146,6 +150,25 @@ def make_variants(make, device, run_dir, texp):
             self.h.close()
             self.c.close()
 
+    class OneOpAtATime:
+        """record@1 with the blocks' reductions one op at a time, not a CUDA graph
+        (`mldebug/record/block_graphs.py`): what the graphs save, side by side."""
+        def __init__(self, v):
+            self.rec = rec(1)(v)
+
+        def __enter__(self):
+            self.was = block_graphs.GRAPHS.off
+            if self.was is None:
+                block_graphs.GRAPHS.off = EAGER
+            return self.rec.__enter__()
+
+        def __exit__(self, *exc):
+            try:
+                return self.rec.__exit__(*exc)
+            finally:
+                if block_graphs.GRAPHS.off == EAGER:
+                    block_graphs.GRAPHS.off = self.was
+
     variants = {
         "plain": lambda v: _Null(),
         "plain2": lambda v: _Null(),   # a second plain copy: the noise floor
@@ -156,6 +179,8 @@ def make_variants(make, device, run_dir, texp):
         "capture": CaptureOnly,
         "history": CaptureHistory,
     }
+    if torch.device(device).type == "cuda":
+        variants["record@1:eager"] = OneOpAtATime
     if texp is not None:
         def peer(freq):
             def attach(v):
@@ -181,7 +206,13 @@ def count_ops(name, device, run_dir, simulate_device=False):
     (GPU) path, run on the CPU (`record.stats.simulate_device`)."""
     from mldebug.record import stats
     out = {}
-    for k, every in (("plain", None), ("record@1", 1), ("record@100:off", 100)):
+    kinds = [("plain", None), ("record@1", 1), ("record@100:off", 100)]
+    if torch.device(device).type == "cuda":
+        kinds.insert(2, ("record@1:eager", 1))
+    for k, every in kinds:
+        was = block_graphs.GRAPHS.off
+        if k.endswith(":eager") and was is None:
+            block_graphs.GRAPHS.off = EAGER
         torch.manual_seed(0)
         model, loss_fn, opt = MODELS[name](device)
         rec = None if every is None else mldebug.record(
@@ -197,6 +228,8 @@ def count_ops(name, device, run_dir, simulate_device=False):
             stats.simulate_device(False)
             if rec is not None:
                 rec.close()
+            if block_graphs.GRAPHS.off == EAGER:
+                block_graphs.GRAPHS.off = was
         out[k] = (sum(ops.values()), reads, calls)
     n0, r0, c0 = out["plain"]
     label = "device path on the cpu" if simulate_device else device
@@ -279,6 +312,8 @@ def main(argv=None):
     committer = "writer thread" if recorder.spare_core() else "training thread"
     print(f"recorder: CPU kernel {kernel}; a CPU step is committed by the {committer}")
     cols = ["plain2", "record@1", "record@100:off", "record:never", "record@100", "capture", "history"]
+    if torch.device(args.device).type == "cuda":
+        cols.insert(2, "record@1:eager")
     if texp is not None:
         cols += ["texp@1", "texp@100:off", "texp@100"]
     print(f"{'model':6} {'plain ms':>9} " + " ".join(f"{c:>14}" for c in cols)
@@ -295,6 +330,9 @@ def main(argv=None):
             print(count_ops(name, args.device, run_dir), flush=True)
             if args.device == "cpu":
                 print(count_ops(name, "cpu", run_dir, simulate_device=True), flush=True)
+    g = block_graphs.GRAPHS
+    print(f"block graphs (record/block_graphs.py): {g.captured} captured, {g.replays} "
+          f"replays, {'in use' if g.off is None else 'off: ' + g.off}")
     load = os.getloadavg()
     print(f"load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 

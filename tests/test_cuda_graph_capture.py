@@ -46,6 +46,7 @@ def capture_pretended(monkeypatch):
     """[False]; set it to True while the program 'captures' a CUDA graph."""
     on = [False]
     monkeypatch.setattr(cuda_graphs, "capturing", lambda: on[0])
+    monkeypatch.setattr(cuda_graphs, "MAYBE", [1])     # (no capture_begin counted it)
     monkeypatch.setattr(cuda_graphs, "_SAID", set())
     return on
 
@@ -357,3 +358,39 @@ def test_a_logged_scalar_is_the_value_it_had_when_logged(tmp_path):
         rec.close()
     with open_run(rec.path) as run:
         assert [v for _, v in run.scalars("loss")["loss"]] == [0.0, 1.0, 2.0]
+
+
+def test_open_captures_are_counted_so_a_hook_asks_nothing_when_none_is(monkeypatch):
+    """`MAYBE` counts the captures begun and not ended, through torch's methods (a begin
+    that fails, or an end that raises on an invalidated capture, counts as closed); while
+    it is 0 `step_aside` answers without asking the driver."""
+    graphs = torch.cuda.graphs
+
+    def begin(self, fail=False):
+        if fail:
+            raise RuntimeError("capture could not begin")
+
+    def end(self, fail=False):
+        if fail:
+            raise RuntimeError("the capture was invalidated")
+    monkeypatch.setattr(graphs.CUDAGraph, "capture_begin", begin)
+    monkeypatch.setattr(graphs.CUDAGraph, "capture_end", end)
+    _fresh_wrappers(monkeypatch)
+    monkeypatch.setattr(cuda_graphs, "MAYBE", [0])
+    cuda_graphs._install()
+    g = object.__new__(graphs.CUDAGraph)
+    asked = []
+    monkeypatch.setattr(cuda_graphs, "capturing", lambda: asked.append(1) or False)
+    assert not cuda_graphs.step_aside("test", "x") and asked == []
+    g.capture_begin()
+    g.capture_begin()
+    assert cuda_graphs.MAYBE == [2]
+    assert not cuda_graphs.step_aside("test", "x") and asked == [1]
+    g.capture_end()
+    with pytest.raises(RuntimeError):
+        g.capture_end(fail=True)
+    with pytest.raises(RuntimeError):
+        g.capture_begin(fail=True)
+    assert cuda_graphs.MAYBE == [0]
+    g.capture_end()                       # (an end without a begin we saw)
+    assert cuda_graphs.MAYBE == [0]

@@ -34,16 +34,26 @@ ASSERTIONS_NOTE = ("the assertions are not checked inside it (a check reads valu
                    "its tensors have none until a replay)")
 
 
+# How many captures are open, in any thread: begun through `CUDAGraph.capture_begin`
+# (wrapped below, from this module's import: every path to a capture passes there) and not
+# yet ended. While it is 0 no stream captures, and a hook knows so without a call or a
+# driver query: the hot hooks read `MAYBE[0]` before they ask `step_aside`. (A capture
+# begun past torch's Python, by an extension's own C++, is not seen; the tests pretend a
+# capture by setting it.)
+MAYBE = [0]
+_COUNTING = threading.Lock()
+
+
 def capturing() -> bool:
     """Whether this thread's current CUDA stream is capturing a graph."""
-    return _is_initialized() and torch.cuda.is_current_stream_capturing()
+    return MAYBE[0] > 0 and _is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def step_aside(part: str, what: str) -> bool:
     """True while this thread captures a CUDA graph; the first time for PART (a name),
     a RuntimeWarning: "mldebug: a CUDA graph is being captured: " + WHAT. Never raises
     (a warning turned into an error would break the capture it is about)."""
-    if not capturing():
+    if not MAYBE[0] or not capturing():
         return False
     if part not in _SAID:
         with _SAYING:                      # (autograd's device threads run hooks too)
@@ -151,7 +161,20 @@ def _install() -> None:
         def wrapper(self, *args, **kwargs):
             if before:
                 _tell(before, *([self] if before == "replaying" else []))
-            out = original(self, *args, **kwargs)
+            if name == "capture_begin":
+                _count(+1)
+                try:
+                    out = original(self, *args, **kwargs)
+                except BaseException:
+                    _count(-1)
+                    raise
+            elif name == "capture_end":
+                try:
+                    out = original(self, *args, **kwargs)
+                finally:
+                    _count(-1)
+            else:
+                out = original(self, *args, **kwargs)
             if after:
                 _tell(after, self)
             return out
@@ -162,3 +185,22 @@ def _install() -> None:
     wrap(CUDAGraph, "capture_begin", "before", None)
     wrap(CUDAGraph, "capture_end", None, "captured")
     wrap(CUDAGraph, "replay", "replaying", "replayed")
+
+
+def _count(change: int) -> None:
+    with _COUNTING:
+        MAYBE[0] = max(0, MAYBE[0] + change)
+
+
+def unwrapped(name: str):
+    """`CUDAGraph.<NAME>` as torch defines it, past mldebug's wrapper: for mldebug's own
+    graphs (`record/block_graphs.py`), which no listener of the program's must see (the
+    recorder would drain its writer before each of them, the watch read its ledger)."""
+    for cls, wrapped_name, original in _PATCHED:
+        if cls.__name__ == "CUDAGraph" and wrapped_name == name:
+            return original
+    from torch.cuda.graphs import CUDAGraph
+    return getattr(CUDAGraph, name)
+
+
+_install()    # (at import: a capture begun before a hook exists is counted in MAYBE too)

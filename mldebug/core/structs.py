@@ -19,8 +19,11 @@ def tensors_in(value, depth: int = 0) -> list:
         return []
     if isinstance(value, (tuple, list)):
         out = []
-        for v in value:
-            out.extend(tensors_in(v, depth + 1))
+        for v in value:       # (a module's args: tensors, one call less each)
+            if isinstance(v, Tensor):
+                out.append(v)
+            else:
+                out.extend(tensors_in(v, depth + 1))
         return out
     if isinstance(value, dict):
         out = []

@@ -32,7 +32,7 @@ class CaptureHooks:
                 self._in_compiled = True
                 return None
             if _replay.active() or (self.training_only and not module.training) \
-                    or cuda_graph_aside():
+                    or (_cuda_graphs.MAYBE[0] and cuda_graph_aside()):
                 return None  # (a watch's re-run of the call is not a new invocation)
             self._capture(path, cap, module, args)
             return None
@@ -44,7 +44,7 @@ class CaptureHooks:
                 self._in_compiled = True
                 return None
             if _replay.active() or (self.training_only and not module.training) \
-                    or cuda_graph_aside():
+                    or (_cuda_graphs.MAYBE[0] and cuda_graph_aside()):
                 return None  # (a watch's re-run of the call is not a new invocation)
             if self.condition is not None:
                 try:

@@ -103,7 +103,7 @@ class History:
 
     # -- hooks -----------------------------------------------------------------------
     def _pre(self, optimizer, args, kwargs):
-        if _cuda_graphs.step_aside("history", _CUDA_GRAPH_NOTE):
+        if _cuda_graphs.MAYBE[0] and _cuda_graphs.step_aside("history", _CUDA_GRAPH_NOTE):
             return None     # (its norms are read to the host: a sync breaks a capture)
         rec = active_recorder()
         if rec is not None and rec.records_norms_of(optimizer):
@@ -125,7 +125,7 @@ class History:
         return None
 
     def _post(self, optimizer, args, kwargs):
-        if _cuda_graphs.step_aside("history", _CUDA_GRAPH_NOTE):
+        if _cuda_graphs.MAYBE[0] and _cuda_graphs.step_aside("history", _CUDA_GRAPH_NOTE):
             return None     # (a step captured runs at the replays: not one now)
         now = time.perf_counter()
         if self._last_post is not None and self._own and len(self.rows) > WARMUP:

@@ -406,7 +406,7 @@ class Recorder(CaptureHooks, IoHolding, StepWriting):
                 self._in_compiled = True
                 return None
             if _replay.active() or (self.training_only and not module.training) \
-                    or cuda_graph_aside():
+                    or (_cuda_graphs.MAYBE[0] and cuda_graph_aside()):
                 return None  # (a watch's re-run of the call is not a new invocation)
             try:
                 if self.condition is not None and not self.condition(module, args, output):
@@ -459,7 +459,7 @@ class Recorder(CaptureHooks, IoHolding, StepWriting):
         self._thooks.append(t.register_hook(lambda g: self._on_grad(serial, targets, g)))
 
     def _on_grad(self, serial: int, targets: list, grad) -> None:
-        if _replay.active() or cuda_graph_aside():
+        if _replay.active() or (_cuda_graphs.MAYBE[0] and cuda_graph_aside()):
             return   # the watch's dry run of the loss's backward: the real pass follows
         if serial != self._serial or self.closed or grad is None:
             return None

@@ -184,7 +184,9 @@ class StepBatch:
     def _block_row(self, t: torch.Tensor, batch_dim: Optional[int], held: bool) -> int:
         """T's row in its device's blocks: copied now (`TensorBatch.add`), or HELD
         (`TensorBatch.hold`); a plain tensor as it lies, another kind flattened first."""
-        i = self._blank_row()
+        self.rows.append(None)      # (`_blank_row`, inline: it runs for every tensor)
+        self.samples.append(None)
+        i = len(self.rows) - 1
         batch = self.on_device.get(t.device)
         if batch is None:
             batch = self._device_batch(t.device)
@@ -319,11 +321,11 @@ class StepBatch:
                     d["event"].synchronize()
                 host = torch.cat([_flat64(p) for p in parts + extra]).cpu().numpy()
             if extra:      # the device batch's part of the transfer, at its end
-                o = host.size - sum(x.numel() for x in extra)
+                o = host.size - sum(batch.sizes)
                 arrays = []
-                for x in extra:
-                    arrays.append(host[o:o + x.numel()])
-                    o += x.numel()
+                for n in batch.sizes:     # (a block graph's one output makes several)
+                    arrays.append(host[o:o + n])
+                    o += n
                 got: dict = {}
                 batch.finish(arrays, stats, got, norms)
                 for i, v in got.items():

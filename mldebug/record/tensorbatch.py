@@ -29,6 +29,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from . import block_graphs
+
 CHUNK = 1024                # columns of a block: a tensor starts on a fresh row
 _ROWS0 = 256                # the first block of a dtype: 1 MiB of float32
 _LAYOUTS: dict = {}         # (device, tensor rows and sizes, sample size) -> gather/scatter
@@ -303,49 +305,38 @@ def _split_samples(segs, picked, size, samples) -> None:
 
 class DeviceStaged:
     """A device batch whose reductions are queued: `tensors` (to bring to the host in
-    one transfer, in this order), then `finish` with their host arrays."""
+    one transfer, in this order; there they make arrays of `sizes`), then `finish` with
+    those host arrays."""
 
     def __init__(self, batch: TensorBatch):
         self.batch = batch
         self.tensors: list = []
-        self.blocks: list = []    # (view, segs, sample size, _Layout, norm rows, rolled)
+        self.sizes: list = []     # the host arrays `tensors` make, in order
+        # (view, segs, sample size, _Layout, norm rows, rolled, first array, graph on trial)
+        self.blocks: list = []
 
     def add_block(self, v, segs, size, rolled: bool = False) -> None:
-        """Queue block view V's reductions. ROLLED: V is filled again after them, so there
-        is no copy to recount a non-finite tensor from later: NaN/+Inf/-Inf are counted
-        per row now and set to 0 (min/max of such a row then count those zeros)."""
-        flat = v.view(-1)
+        """Queue block view V's reductions (`_reductions`; on a GPU, once the same block
+        and layout come back, one CUDA graph: `block_graphs`). ROLLED: V is filled again
+        after them, so there is no copy to recount a non-finite tensor from later."""
         lay = _layout(segs, size, v.device)
-        if size:
-            self.tensors.append(flat.index_select(0, lay.gather))
-        parts, norm_rows = _sample_norms(flat, segs, lay)
-        self.tensors += parts
-        counts = []
-        if rolled:
-            if len(lay.pad):     # (what the block held before: not counted)
-                flat.index_fill_(0, lay.pad, 0.0)
-            counts = [torch.isnan(v).sum(1), (v == math.inf).sum(1), (v == -math.inf).sum(1)]
-            v.nan_to_num_(0.0, 0.0, 0.0)
-        lo, hi = _row_extremes(v, lay.pad)
-        # per row [Σx, Σx², Σ|x|, (NaN, +Inf, -Inf)], then min and -max; added up per
-        # tensor here in float64, each tensor's rows one segment (what goes to the host
-        # is a few numbers a tensor, not a row)
-        per_row = torch.stack([v.sum(1), torch.linalg.vecdot(v, v),
-                               torch.linalg.vector_norm(v, 1, dim=1),
-                               *[c.to(v.dtype) for c in counts], lo, hi.neg()], 1).double()
-        c = per_row.shape[1] - 2
-        self.tensors.append(torch.segment_reduce(per_row[:, :c], "sum", lengths=lay.row_counts,
-                                                 unsafe=True))
-        self.tensors.append(torch.segment_reduce(per_row[:, c:], "min", lengths=lay.row_counts,
-                                                 unsafe=True))
-        self.blocks.append((v, segs, size, lay, norm_rows, rolled))
+        reduce = lambda: _reductions(v, segs, size, lay, rolled)  # noqa: E731
+        if rolled:          # (its reductions zero what they count: not run twice)
+            tensors, norm_rows = reduce()
+            sizes, trial = [t.numel() for t in tensors], None
+        else:
+            tensors, sizes, norm_rows, trial = block_graphs.GRAPHS.reduce(v, lay.key, reduce,
+                                                                          keep=lay)
+        self.blocks.append((v, segs, size, lay, norm_rows, rolled, len(self.sizes), trial))
+        self.tensors += tensors
+        self.sizes += sizes
 
     def finish(self, host: list, stats: np.ndarray, samples: dict, norms: dict) -> None:
-        """HOST: `tensors` as float64 numpy arrays (flat, same order). On the writer
-        thread, after the transfer; gives the blocks back."""
+        """HOST: float64 numpy arrays of `sizes` (flat, same order). On the writer thread,
+        after the transfer; gives the blocks back."""
         try:
-            k = 0
-            for v, segs, size, lay, norm_rows, rolled in self.blocks:
+            for v, segs, size, lay, norm_rows, rolled, k, trial in self.blocks:
+                k0 = k
                 if size:
                     _split_samples(segs, host[k], size, samples)
                     k += 1
@@ -359,6 +350,8 @@ class DeviceStaged:
                 totals = host[k].reshape(len(segs), -1).T
                 least = host[k + 1].reshape(len(segs), 2).T
                 k += 2
+                if trial is not None:       # the graph's arrays follow: the same?
+                    block_graphs.GRAPHS.judge(trial, host[k0:k], host[k:2 * k - k0])
                 s, sumsq, absum = totals[:3]
                 put_rows(stats, lay.rows, lay.n, s, absum, sumsq, least[0], -least[1],
                          totals[3:6] if rolled else None)
@@ -369,6 +362,36 @@ class DeviceStaged:
             self.batch._give_back()
 
 
+def _reductions(v, segs, size, lay: "_Layout", rolled: bool) -> tuple:
+    """The ops that reduce block view V (no read): ([tensors], norm rows). The samples
+    (one gather), the per-sample norms, then per row min and max with the padding after
+    each tensor set to +inf, then -inf, and the sums with it set to 0, added up per
+    tensor in float64 (what goes to the host is a few numbers a tensor, not a row).
+    ROLLED: NaN/+Inf/-Inf are counted per row now and set to 0 (min/max of such a row
+    then count those zeros)."""
+    flat = v.view(-1)
+    tensors = [flat.index_select(0, lay.gather)] if size else []
+    parts, norm_rows = _sample_norms(flat, segs, lay)
+    tensors += parts
+    counts = []
+    if rolled:
+        if len(lay.pad):     # (what the block held before: not counted)
+            flat.index_fill_(0, lay.pad, 0.0)
+        counts = [torch.isnan(v).sum(1), (v == math.inf).sum(1), (v == -math.inf).sum(1)]
+        v.nan_to_num_(0.0, 0.0, 0.0)
+    lo, hi = _row_extremes(v, lay.pad)
+    # per row [Σx, Σx², Σ|x|, (NaN, +Inf, -Inf)], then min and -max
+    per_row = torch.stack([v.sum(1), torch.linalg.vecdot(v, v),
+                           torch.linalg.vector_norm(v, 1, dim=1),
+                           *[c.to(v.dtype) for c in counts], lo, hi.neg()], 1).double()
+    c = per_row.shape[1] - 2
+    tensors.append(torch.segment_reduce(per_row[:, :c], "sum", lengths=lay.row_counts,
+                                        unsafe=True))
+    tensors.append(torch.segment_reduce(per_row[:, c:], "min", lengths=lay.row_counts,
+                                        unsafe=True))
+    return tensors, norm_rows
+
+
 class _Layout:
     """Where a block's tensors lie (cached per layout): on the block's device the flat
     positions of every sample (`gather`) and of the padding after each tensor (`pad`),
@@ -377,9 +400,10 @@ class _Layout:
     (`_sample_norms`, `_norm_pieces`)."""
 
     __slots__ = ("gather", "pad", "r0", "rows", "n", "row_counts", "norm_begin", "norm_end",
-                 "norm_lengths", "norm_pick", "norm_counts", "norm_rows", "norm_other")
+                 "norm_lengths", "norm_pick", "norm_counts", "norm_rows", "norm_other", "key")
 
-    def __init__(self, segs: list, size: int, device):
+    def __init__(self, segs: list, size: int, device, key=None):
+        self.key = key            # (its cache key: a block graph's too)
         gather = [torch.arange(n) + r0 * CHUNK if n <= size
                   else sample_index(n, size, "cpu") + r0 * CHUNK for _, _, r0, n, *_ in segs]
         pad = [torch.arange(r0 * CHUNK + n, (r0 + -(-n // CHUNK)) * CHUNK)
@@ -443,7 +467,7 @@ def _layout(segs: list, size: int, device) -> _Layout:
     key = (device, size, tuple([(s[0], s[2], s[3], s[4], s[5]) for s in segs]))
     got = _LAYOUTS.get(key)
     if got is None:
-        got = _Layout(segs, size, device)    # (once per layout: copies to the device)
+        got = _Layout(segs, size, device, key)    # (once per layout: copies to the device)
         if len(_LAYOUTS) >= _LAYOUTS_MAX:
             _LAYOUTS.clear()
         _LAYOUTS[key] = got

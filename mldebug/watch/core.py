@@ -27,6 +27,7 @@ import torch.optim.optimizer as _optim_hooks
 from torch import Tensor
 
 from ..core import autograd_patch as _autograd_patch
+from ..core import cuda_graphs as _cuda_graphs
 from ..core import frames as _frames
 from ..core import quiet as _quiet
 from ..core.break_on import parse_break_on
@@ -300,7 +301,7 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
     def _module_pre(self, module, args):
         if _compiling() or self._skip or _get_ident() != self._owner:
             return None
-        if cuda_graph_aside():
+        if _cuda_graphs.MAYBE[0] and cuda_graph_aside():
             self._captured_call_begins()
             return None
         if self._stash:
@@ -354,7 +355,7 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
     def _module_post(self, module, args, output):
         if _compiling() or self._skip or _get_ident() != self._owner:
             return None
-        if cuda_graph_aside():
+        if _cuda_graphs.MAYBE[0] and cuda_graph_aside():
             self._captured_call_ends(module, output)   # (checked after each replay)
             return None
         top = self._top
