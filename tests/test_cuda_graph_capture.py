@@ -362,8 +362,9 @@ def test_a_logged_scalar_is_the_value_it_had_when_logged(tmp_path):
 
 def test_open_captures_are_counted_so_a_hook_asks_nothing_when_none_is(monkeypatch):
     """`MAYBE` counts the captures begun and not ended, through torch's methods (a begin
-    that fails, or an end that raises on an invalidated capture, counts as closed); while
-    it is 0 `step_aside` answers without asking the driver."""
+    that fails is not one; an end that raises may not have ended it: still counted, and
+    the hooks ask the driver from then on); while it is 0 `step_aside` answers without
+    asking the driver."""
     graphs = torch.cuda.graphs
 
     def begin(self, fail=False):
@@ -388,9 +389,13 @@ def test_open_captures_are_counted_so_a_hook_asks_nothing_when_none_is(monkeypat
     assert not cuda_graphs.step_aside("test", "x") and asked == [1]
     g.capture_end()
     with pytest.raises(RuntimeError):
-        g.capture_end(fail=True)
-    with pytest.raises(RuntimeError):
         g.capture_begin(fail=True)
+    assert cuda_graphs.MAYBE == [1]
+    with pytest.raises(RuntimeError):
+        g.capture_end(fail=True)
+    assert cuda_graphs.MAYBE == [1]
+    assert not cuda_graphs.step_aside("test", "x") and asked == [1, 1]
+    g.capture_end()
     assert cuda_graphs.MAYBE == [0]
     g.capture_end()                       # (an end without a begin we saw)
     assert cuda_graphs.MAYBE == [0]

@@ -38,8 +38,9 @@ ASSERTIONS_NOTE = ("the assertions are not checked inside it (a check reads valu
 # (wrapped below, from this module's import: every path to a capture passes there) and not
 # yet ended. While it is 0 no stream captures, and a hook knows so without a call or a
 # driver query: the hot hooks read `MAYBE[0]` before they ask `step_aside`. (A capture
-# begun past torch's Python, by an extension's own C++, is not seen; the tests pretend a
-# capture by setting it.)
+# begun past `torch.cuda.CUDAGraph`, by another library on torch's stream or by a future
+# `torch.accelerator.Graph` for CUDA, is not seen; the tests pretend a capture by setting
+# it.)
 MAYBE = [0]
 _COUNTING = threading.Lock()
 
@@ -169,10 +170,11 @@ def _install() -> None:
                     _count(-1)
                     raise
             elif name == "capture_end":
-                try:
-                    out = original(self, *args, **kwargs)
-                finally:
-                    _count(-1)
+                # (counted as closed only once it returned: one that raised may not have
+                # ended it, torch's stream check; one invalidated stays counted, and the
+                # hooks then ask the driver, as they did before the count)
+                out = original(self, *args, **kwargs)
+                _count(-1)
             else:
                 out = original(self, *args, **kwargs)
             if after:

@@ -18,9 +18,10 @@ for the process, and the reductions run one by one as before (`GRAPHS.off` says 
 NaN/Inf they count, so a second run could not be compared with the first.
 
 The capture is thread-local (the writer thread or a DataLoader's pin-memory thread may
-sync and allocate meanwhile), on a side stream, in its own memory pool, and passes none
+sync and allocate meanwhile), on a side stream, in its own memory pool (given back if the
+capture fails), never while the program has a capture of its own open, and passes none
 of mldebug's listeners of the program's captures (`core.cuda_graphs.unwrapped`). At most
-MAX_GRAPHS graphs are kept, for blocks of at most MAX_VALUES values: each graph keeps the
+MAX_GRAPHS graphs are kept until the last recorder closes, for blocks of at most MAX_VALUES values: each graph keeps the
 memory of its intermediates (up to twice its block), and a larger block's reductions
 take longer on the GPU than their launches on the CPU. A steady training loop needs one
 graph per dtype (the benchmark MLP's block is 0.7M values, the CNN's 7M; the GPT's 29M
@@ -47,19 +48,37 @@ class _CudaGraph:
 
     def __init__(self, device: torch.device, fn: Callable[[], torch.Tensor]):
         self.graph = torch.cuda.CUDAGraph()
+        pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            cuda_graphs.unwrapped("capture_begin")(self.graph,
+            cuda_graphs.unwrapped("capture_begin")(self.graph, pool=pool,
                                                    capture_error_mode="thread_local")
             try:
                 self.out = fn()
             finally:
-                cuda_graphs.unwrapped("capture_end")(self.graph)
+                try:
+                    cuda_graphs.unwrapped("capture_end")(self.graph)
+                except BaseException:
+                    _release_pool(device, pool)
+                    raise
         torch.cuda.current_stream(device).wait_stream(side)
 
     def replay(self) -> None:
         cuda_graphs.unwrapped("replay")(self.graph)
+
+
+def _release_pool(device: torch.device, pool) -> None:
+    """After a capture that failed to end (invalidated): torch's `capture_end` raised
+    before it told the allocator the capture is over, which would leave it routing and
+    holding memory for a graph that is gone (no `empty_cache`, no retry on out of memory
+    from then on). Said here, as `torch.cuda.memory.use_mem_pool` does at its end."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    for name in ("_cuda_endAllocateToPool", "_cuda_releasePool"):
+        try:
+            getattr(torch._C, name)(index, pool)
+        except Exception:  # noqa: BLE001 - a torch without it: nothing more to do
+            pass
 
 
 _GRAPH = _CudaGraph      # (the tests put a pretended graph here, on the CPU)
@@ -93,7 +112,10 @@ class BlockGraphs:
         eager ones (`judge` them once on the host). KEEP: what the graph's ops read
         besides V (the layout's index tensors), kept alive with it."""
         if self.off is None and _graphable(v):
-            key = (layout_key, v.data_ptr(), tuple(v.shape), v.stride(), v.dtype, v.device)
+            # (the stream too: a replay on another one could overwrite the output before
+            # the last step's copy of it ran on its own)
+            key = (layout_key, v.data_ptr(), tuple(v.shape), v.stride(), v.dtype, v.device,
+                   torch.cuda.current_stream(v.device).cuda_stream if v.is_cuda else 0)
             kept = self._graphs.get(key)
             if kept is not None:
                 if kept.trusted:
@@ -120,6 +142,14 @@ class BlockGraphs:
             kept.trusted = True
         elif self.off is None:
             self.off = "a graph's replay differed from the reductions run one by one"
+
+    def release(self) -> None:
+        """Let every graph and its memory go: when the last recorder has closed (its
+        writer has read every step, so no replay is in flight). What was learned (`off`)
+        stays."""
+        with self._lock:
+            self._graphs.clear()
+            self._seen.clear()
 
     def _second_time(self, key) -> bool:
         with self._lock:
@@ -153,8 +183,9 @@ class BlockGraphs:
 
 def _graphable(v: torch.Tensor) -> bool:
     """A CUDA block small enough to be launch-bound, while the program captures no graph
-    of its own on this thread (the recorder steps aside then anyway)."""
-    return v.is_cuda and v.numel() <= MAX_VALUES and not cuda_graphs.capturing()
+    of its own on any thread (a capture in torch's "global" mode is broken by what
+    another thread's capture does)."""
+    return v.is_cuda and v.numel() <= MAX_VALUES and not cuda_graphs.MAYBE[0]
 
 
 GRAPHS = BlockGraphs()

@@ -20,7 +20,7 @@ CUDA_GRAPH_NOTE = ("mldebug.record does not record what runs inside it (a replay
 def cuda_graph_aside() -> bool:
     """Whether the recorder's hooks step aside now: this thread captures a CUDA graph
     (said once; `core.cuda_graphs`)."""
-    return _cuda_graphs.step_aside("record", CUDA_GRAPH_NOTE)
+    return bool(_cuda_graphs.MAYBE[0]) and _cuda_graphs.step_aside("record", CUDA_GRAPH_NOTE)
 
 
 class CaptureHooks:

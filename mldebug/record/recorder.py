@@ -20,6 +20,7 @@ from ..core.ranks import this_rank
 from ..core.errors import UsageError
 from ..core.quiet import own_work
 from ..core.structs import tensors_in
+from . import block_graphs
 from . import stats as _stats
 from .capture_hooks import CaptureHooks, cuda_graph_aside
 from .capture_spec import REDUCTIONS, WHAT, Capture, _select  # noqa: F401 - record's names
@@ -253,6 +254,8 @@ class Recorder(CaptureHooks, IoHolding, StepWriting):
             self._writer.submit(lambda: self._writer.set_meta(status="closed",
                                                               steps=self.step_index))
             self._writer.close()
+            if _ACTIVE is None:      # (every step read: no replay of a block graph in flight)
+                block_graphs.GRAPHS.release()
 
     def __enter__(self) -> "Recorder":
         return self

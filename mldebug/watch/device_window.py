@@ -15,6 +15,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
+from ..core import cuda_graphs as _cuda_graphs
 from ..core import frames as _frames
 from . import tiers as _tiers
 from .checks import _F32, METADATA_KEY, _caller, _isfinite
@@ -37,7 +38,7 @@ class DeviceWindow:
         ops); `flat`: the floating device tensors among them when already known. Not
         while a CUDA graph is captured: a reduction of ours would be captured with the
         program's kernels and run at each of its replays."""
-        if cuda_graph_aside():
+        if _cuda_graphs.MAYBE[0] and cuda_graph_aside():
             return
         if flat is None:
             flat = outs
@@ -145,8 +146,12 @@ def _weak(value):
     if isinstance(value, Tensor):
         return weakref.ref(value)
     if isinstance(value, (list, tuple)):
-        return type(value)(_weak(x) for x in value) if any(
-            isinstance(x, (Tensor, list, tuple)) for x in value) else value
+        # (loops, not generators: this runs for every op of the device window)
+        for x in value:
+            if isinstance(x, (Tensor, list, tuple)):
+                return type(value)([weakref.ref(x) if isinstance(x, Tensor) else _weak(x)
+                                    for x in value])
+        return value
     if isinstance(value, dict):
         return {k: _weak(v) for k, v in value.items()}
     return value

@@ -53,7 +53,8 @@ def _loss_region(roots, boundary):
             continue
         seen[id(node)] = node
         yield node
-        stack.extend(fn for fn, _ in node.next_functions)
+        for fn, _ in node.next_functions:     # (a loop: no generator resumed per edge)
+            stack.append(fn)
 
 
 def loss_region_nodes(roots, boundary, limit=MAX_LOSS_NODES) -> list:
@@ -106,10 +107,19 @@ NO_GRAD_CHECK = 2       # the next child's backward cannot make one in its gradi
 _HOOKS = ("_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
+def _has_hooks(module) -> bool:
+    """Whether MODULE carries a hook of its own that may change what flows through it
+    (a loop, not a generator: this runs for each child at every step)."""
+    for h in _HOOKS:
+        if getattr(module, h, None):
+            return True
+    return False
+
+
 def _consumer_code(child) -> int:
     """What the output before CHILD in a Sequential can leave out (flags above)."""
     kind = type(child)
-    if kind not in _BACKWARD_SAFE or any(getattr(child, h, None) for h in _HOOKS):
+    if kind not in _BACKWARD_SAFE or _has_hooks(child):
         return 0            # (a user hook may change what it gets or gives back)
     code = NO_GRAD_CHECK
     if kind in _PROPAGATES or (kind in _CONVS and all(s == 1 for s in child.stride)):
@@ -137,22 +147,51 @@ def sequential_plan(seq) -> dict:
     return plan
 
 
-def params_to_check(module):
+def params_to_check(module) -> list:
     """The parameters whose gradients need a check after backward. Left out: those of a
     torch.nn layer in BACKWARD_SAFE reached from an exact nn.Sequential through exact
     nn.Sequentials only: no code of the user's runs in that tree, the layers' backward
     makes finite gradients from finite ones, and the gradient of each output there is
     checked (the last child's) or flows through such layers to one that is. Used only
     when the loss region has no dry run: its nodes, also those on paths into a
-    parameter (an L2 term), are then all in SAFE_BACKWARD."""
-    if type(module) is not nn.Sequential or any(getattr(module, h, None) for h in _HOOKS):
-        yield from module.parameters()
+    parameter (an L2 term), are then all in SAFE_BACKWARD. (A list built in loops, not
+    nested generators and `parameters()`: it runs at every step, and on a GPU's
+    launch-bound step each Python call counts.)"""
+    out: list = []
+    _checked_params(module, out)
+    return out
+
+
+def _checked_params(module, out: list) -> None:
+    if type(module) is not nn.Sequential or _has_hooks(module):
+        _all_params(module, out)
         return
-    yield from module._parameters.values()
+    for p in module._parameters.values():
+        if p is not None:
+            out.append(p)
     for child in module._modules.values():
         if child is None:
             continue
         if (type(child) in _BACKWARD_SAFE and not child._modules
-                and not any(getattr(child, h, None) for h in _HOOKS)):
+                and not _has_hooks(child)):
             continue
-        yield from params_to_check(child)
+        _checked_params(child, out)
+
+
+def _all_params(module, out: list) -> None:
+    """`module.parameters()` into OUT, in its order (modules depth first, each module and
+    each parameter once), without its chain of generators."""
+    modules, params = set(), set()
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        if id(m) in modules:
+            continue
+        modules.add(id(m))
+        for p in m._parameters.values():
+            if p is not None and id(p) not in params:
+                params.add(id(p))
+                out.append(p)
+        children = [c for c in m._modules.values() if c is not None]
+        children.reverse()
+        stack += children

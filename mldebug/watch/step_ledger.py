@@ -199,7 +199,7 @@ def _storages(sources) -> set:
 def cuda_graph_aside() -> bool:
     """Whether the watch steps aside now: this thread's CUDA stream is capturing a graph
     (said once; `core.cuda_graphs`)."""
-    return _cuda_graphs.step_aside("watch", CAPTURE_NOTE)
+    return bool(_cuda_graphs.MAYBE[0]) and _cuda_graphs.step_aside("watch", CAPTURE_NOTE)
 
 
 def _one_by_one(xs, slots):

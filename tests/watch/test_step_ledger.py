@@ -113,6 +113,7 @@ def test_under_cuda_graph_capture_nothing_is_read_and_it_is_said_once(monkeypatc
     from mldebug.watch import core, watch
     from mldebug.core import cuda_graphs
     monkeypatch.setattr(cuda_graphs, "capturing", lambda: True)
+    monkeypatch.setattr(cuda_graphs, "MAYBE", [1])     # (no capture_begin counted it)
     monkeypatch.setattr(cuda_graphs, "_SAID", set())
     took = []
     monkeypatch.setattr(StepLedger, "take", lambda self: took.append(1))
