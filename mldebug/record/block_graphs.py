@@ -21,11 +21,11 @@ The capture is thread-local (the writer thread or a DataLoader's pin-memory thre
 sync and allocate meanwhile), on a side stream, in its own memory pool (given back if the
 capture fails), never while the program has a capture of its own open, and passes none
 of mldebug's listeners of the program's captures (`core.cuda_graphs.unwrapped`). At most
-MAX_GRAPHS graphs are kept until the last recorder closes, for blocks of at most MAX_VALUES values: each graph keeps the
-memory of its intermediates (up to twice its block), and a larger block's reductions
-take longer on the GPU than their launches on the CPU. A steady training loop needs one
-graph per dtype (the benchmark MLP's block is 0.7M values, the CNN's 7M; the GPT's 29M
-is left one op at a time).
+MAX_GRAPHS graphs are kept, until the last recorder closes, for blocks of at most
+MAX_VALUES values: each graph keeps the memory of its intermediates (up to twice its
+block), and a larger block's reductions take longer on the GPU than their launches on
+the CPU. A steady training loop needs one graph per dtype (the benchmark MLP's block is
+0.7M values, the CNN's last 7M; the GPT's 29M are left one op at a time).
 """
 from __future__ import annotations
 
