@@ -121,37 +121,3 @@ def test_on_a_device_the_module_outputs_are_checked_by_a_few_fused_launches():
     mlp, cnn = forward_extra_ops_on_a_device("mlp"), forward_extra_ops_on_a_device("cnn")
     assert cnn == mlp, (mlp, cnn)
     assert mlp[1] <= 3 and mlp[0] <= 25, mlp
-
-
-# The Python calls one healthy step on the device path adds, all code (torch's too: the
-# hooks mldebug installs make torch run more of its own), on 2026-11-27, torch 2.13.0:
-# the watch +359 / +2000 / +2213, the recorder with all four logs every step +391 / +3325
-# / +3276 on the plain step's 104 / 765 / 1259. On a GPU's launch-bound step the
-# training thread's CPU time is the step's time, and what mldebug adds there is mostly
-# these calls: a ceiling 15% above them catches a walk or a check put back on the hot
-# path (`Module.parameters()` walked every step was ~630 calls on the CNN).
-EXTRA_CALLS = {"mlp": (359, 391), "cnn": (2000, 3325), "gpt": (2213, 3276)}
-
-
-@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt"])
-def test_on_a_device_the_python_calls_a_step_adds_stay_under_their_ceiling(name, tmp_path):
-    from mldebug.record import stats
-    from mldebug.watch import core
-    from opcount import count_calls
-    got = {}
-    for part in ("plain", "watch", "record"):
-        torch.manual_seed(0)
-        model, loss_fn, opt = bench_watch.MODELS[name]("cpu")
-        on = {"plain": bench_watch.Plain, "watch": lambda: mldebug.watch(action="raise"),
-              "record": lambda: mldebug.record(model, run_dir=tmp_path, run=name)}[part]()
-        simulate = stats.simulate_device if part == "record" else core.simulate_device
-        simulate(part != "plain")
-        try:
-            with on:
-                got[part] = count_calls(lambda: bench_watch.step(model, loss_fn, opt),
-                                        warmup=6)
-        finally:
-            simulate(False)
-    for part, measured in zip(("watch", "record"), EXTRA_CALLS[name]):
-        extra = got[part] - got["plain"]
-        assert 0 < extra <= 1.15 * measured, (name, part, extra, measured)
