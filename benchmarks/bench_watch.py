@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import mldebug  # noqa: E402
-from opcount import count_calls, count_step  # noqa: E402
+from opcount import count_calls, count_runs, count_step  # noqa: E402
 
 
 # -- models --------------------------------------------------------------------------
@@ -278,7 +278,7 @@ def count_ops(name, device, simulate_device=False):
     """Issue 22's budget, machine-independent: the aten ops and host reads of one healthy
     step, plain and watched (top-level ops, torch's profiler; benchmarks/opcount.py).
     SIMULATE_DEVICE: the watch takes its GPU path on the CPU (what a GPU step dispatches)."""
-    from mldebug.watch import core
+    from mldebug.watch import core, dispatch
     out = {}
     for k in ("plain", "watch"):
         torch.manual_seed(0)
@@ -288,14 +288,17 @@ def count_ops(name, device, simulate_device=False):
             with variants()[k]():
                 ops, reads = count_step(lambda: step(model, loss_fn, opt))
                 calls = count_calls(lambda: step(model, loss_fn, opt), warmup=1)
+                moded = count_runs(lambda: step(model, loss_fn, opt),
+                                   dispatch._Mode.__torch_dispatch__.__code__, warmup=1)
         finally:
             core.simulate_device(False)
-        out[k] = (sum(ops.values()), reads, calls)
-    (n0, r0, c0), (n1, r1, c1) = out["plain"], out["watch"]
+        out[k] = (sum(ops.values()), reads, calls, moded)
+    (n0, r0, c0, _), (n1, r1, c1, m1) = out["plain"], out["watch"]
     label = "device path on the cpu" if simulate_device else device
     return (f"{name:6} ops a step ({label}): plain {n0}, watch {n1} ({n1 - n0:+d}, "
             f"{(n1 - n0) / n0:+.1%}; budget +10%); host reads: plain {r0}, watch {r1} "
-            f"({r1 - r0:+d}); python calls: plain {c0}, watch {c1} ({c1 - c0:+d})")
+            f"({r1 - r0:+d}); python calls: plain {c0}, watch {c1} ({c1 - c0:+d}); "
+            f"ops through the per-op check's Python mode: {m1}")
 
 
 def count_syncs(name, device):

@@ -70,3 +70,24 @@ def count_calls(step: Callable[[], None], under: str = "", warmup: int = 3) -> i
     finally:
         sys.setprofile(previous)
     return calls[0]
+
+
+def count_runs(step: Callable[[], None], code, warmup: int = 3) -> int:
+    """How often the function whose code object is CODE runs on this thread during one
+    call of STEP after WARMUP calls (the watch's `__torch_dispatch__`: the ops that pass
+    through its Python dispatch mode, each a Python round trip on top of its launch)."""
+    for _ in range(warmup):
+        step()
+    runs = [0]
+
+    def seen(frame, event, arg):
+        if event == "call" and frame.f_code is code:
+            runs[0] += 1
+
+    previous = sys.getprofile()
+    sys.setprofile(seen)
+    try:
+        step()
+    finally:
+        sys.setprofile(previous)
+    return runs[0]

@@ -163,6 +163,9 @@ def _fresh_wrappers(monkeypatch):
         monkeypatch.setattr(cls, name, getattr(cls, name), raising=False)
     monkeypatch.setattr(cuda_graphs, "_PATCHED", [])
     monkeypatch.setattr(cuda_graphs, "_LISTENERS", {k: [] for k in cuda_graphs._LISTENERS})
+    # the captures these wrappers count (a test may begin one it never ends) are the
+    # test's own: the process's count is put back after it (conftest checks it is 0)
+    monkeypatch.setattr(cuda_graphs, "MAYBE", [0])
 
 
 @pytest.fixture

@@ -9,7 +9,8 @@ from typing import Optional
 import torch.nn.modules.module as _module_hooks
 
 from ..core import replay as _replay
-from ..core.compile import compiling as _compiling
+from ..core.compile import FLAG as _FLAG
+from ..core.compile import dynamo_compiling as _dynamo_compiling
 from ..core.compile import silence_global_hook_warning
 from .building import TRACING, _exception_now, _Recorder, attach_graph
 from .model import Graph
@@ -81,7 +82,8 @@ class Capture:
         return self._started
 
     def _pre(self, module, args):
-        if _compiling() or TRACING[0] or _replay._depth or _get_ident() != self._owner:
+        if _dynamo_compiling() or _FLAG._is_compiling_flag or TRACING[0] or _replay._depth \
+                or _get_ident() != self._owner:
             return None
         rec = self._rec
         try:
@@ -116,7 +118,8 @@ class Capture:
                           f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=3)
 
     def _post(self, module, args, output):
-        if _compiling() or TRACING[0] or _replay._depth or _get_ident() != self._owner:
+        if _dynamo_compiling() or _FLAG._is_compiling_flag or TRACING[0] or _replay._depth \
+                or _get_ident() != self._owner:
             return None
         rec = self._rec
         if rec is None:

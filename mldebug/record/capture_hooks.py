@@ -6,7 +6,8 @@ import torch
 
 from ..core import cuda_graphs as _cuda_graphs
 from ..core import replay as _replay
-from ..core.compile import compiling as _compiling
+from ..core.compile import FLAG as _FLAG
+from ..core.compile import dynamo_compiling as _dynamo_compiling
 from ..core.quiet import own_work
 from ..core.structs import tensors_in as _tensors
 from .capture_spec import Capture
@@ -28,7 +29,8 @@ class CaptureHooks:
 
     def _make_pre(self, path: str, cap: Capture):
         def hook(module, args):
-            if _compiling():       # dynamo traces this call: nothing of ours in its graph
+            # dynamo traces this call: nothing of ours in its graph
+            if _dynamo_compiling() or _FLAG._is_compiling_flag:
                 self._in_compiled = True
                 return None
             if _replay.active() or (self.training_only and not module.training) \
@@ -40,7 +42,7 @@ class CaptureHooks:
 
     def _make_cap(self, path: str, cap: Capture):
         def hook(module, args, output):
-            if _compiling():
+            if _dynamo_compiling() or _FLAG._is_compiling_flag:
                 self._in_compiled = True
                 return None
             if _replay.active() or (self.training_only and not module.training) \

@@ -15,7 +15,8 @@ from torch.optim import optimizer as _optim_hooks
 
 from ..core import cuda_graphs as _cuda_graphs
 from ..core import replay as _replay
-from ..core.compile import compiling as _compiling
+from ..core.compile import FLAG as _FLAG
+from ..core.compile import dynamo_compiling as _dynamo_compiling
 from ..core.ranks import this_rank
 from ..core.errors import UsageError
 from ..core.quiet import own_work
@@ -405,7 +406,8 @@ class Recorder(CaptureHooks, IoHolding, StepWriting):
     # -- forward / backward hooks --------------------------------------------------------
     def _make_fwd(self, path: str):
         def hook(module, args, output):
-            if _compiling():       # dynamo traces this call: nothing of ours in its graph
+            # dynamo traces this call: nothing of ours in its graph
+            if _dynamo_compiling() or _FLAG._is_compiling_flag:
                 self._in_compiled = True
                 return None
             if _replay.active() or (self.training_only and not module.training) \

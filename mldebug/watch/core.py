@@ -31,7 +31,8 @@ from ..core import cuda_graphs as _cuda_graphs
 from ..core import frames as _frames
 from ..core import quiet as _quiet
 from ..core.break_on import parse_break_on
-from ..core.compile import compiling as _compiling
+from ..core.compile import FLAG as _FLAG
+from ..core.compile import dynamo_compiling as _dynamo_compiling
 from ..core.compile import silence_global_hook_warning
 from ..core.errors import UsageError
 from . import backward_tier as _backward_tier
@@ -299,7 +300,8 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
 
     # -- hooks -----------------------------------------------------------------------
     def _module_pre(self, module, args):
-        if _compiling() or self._skip or _get_ident() != self._owner:
+        if _dynamo_compiling() or _FLAG._is_compiling_flag or self._skip \
+                or _get_ident() != self._owner:
             return None
         if _cuda_graphs.MAYBE[0] and cuda_graph_aside():
             self._captured_call_begins()
@@ -324,8 +326,7 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
             if not (self.exact or t.popped or t.replaying or t.in_backward or self._opt_depth
                     or (t.recomputing and self.violations)):
                 # an outermost call: exact mode off inside, sentinels on (tiers.py)
-                t.cuda_rng = torch.cuda.is_initialized()
-                t.start_rng = _tiers.rng_state(t.cuda_rng)
+                t.start_rng = _tiers.rng_state()
                 t.flag = None
                 t.done = False
                 t.last_out = None
@@ -339,7 +340,7 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
             # the RNG as this call starts: a replay of just this call draws the same
             # (one whose output its Sequential leaves to the next child is never replayed
             # alone: its flag is the next child's, which defers to the Sequential)
-            rng = None if code & _safe.NO_FORWARD_CHECK else _tiers.rng_state(t.cuda_rng)
+            rng = None if code & _safe.NO_FORWARD_CHECK else _tiers.rng_state()
             self._top = (module, top, rng, _plan(module), code)
             return None
         self._top = (module, top)
@@ -353,7 +354,8 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
                       "inside by re-running the call", RuntimeWarning, stacklevel=4)
 
     def _module_post(self, module, args, output):
-        if _compiling() or self._skip or _get_ident() != self._owner:
+        if _dynamo_compiling() or _FLAG._is_compiling_flag or self._skip \
+                or _get_ident() != self._owner:
             return None
         if _cuda_graphs.MAYBE[0] and cuda_graph_aside():
             self._captured_call_ends(module, output)   # (checked after each replay)

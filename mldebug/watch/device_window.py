@@ -18,10 +18,11 @@ from torch import Tensor
 from ..core import cuda_graphs as _cuda_graphs
 from ..core import frames as _frames
 from . import tiers as _tiers
-from .checks import _F32, METADATA_KEY, _caller, _isfinite
+from .checks import _F32, METADATA_KEY, _getframe, _isfinite
 from .step_ledger import cuda_graph_aside, first_bad
 
 _current_node = torch._C._current_autograd_node
+_ref = weakref.ref
 _USER = _frames._is_user_cache     # file name -> is user code (filled by is_user_file)
 _is_user_file = _frames.is_user_file
 
@@ -33,13 +34,19 @@ class DeviceWindow:
 
     def _window_add(self, func, info, args, kwargs, outs, flat=None):
         """Sum the outputs on their device (no sync) and remember enough to judge later.
+        Returns the user frame's (file, line, function) found for a forward op, else None
+        (the caller's provenance reuses it: one walk up the stack per op).
 
         `outs`: the op's outputs as returned (tensors, or lists of them for foreach
         ops); `flat`: the floating device tensors among them when already known. Not
         while a CUDA graph is captured: a reduction of ours would be captured with the
-        program's kernels and run at each of its replays."""
+        program's kernels and run at each of its replays.
+
+        This runs for every op outside module calls on a GPU, where the training thread's
+        CPU time is the step's time: hence no helper calls on its common path (the ledger's
+        lock taken here, the stack walked inline, `_weak` only for nested arguments)."""
         if _cuda_graphs.MAYBE[0] and cuda_graph_aside():
-            return
+            return None
         if flat is None:
             flat = outs
         if self._t.read_now:
@@ -49,8 +56,10 @@ class DeviceWindow:
             total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
             if not _isfinite(total.item()):
                 self._slow(func, info, args, kwargs, outs, None)
-            return
-        slots = self._ledger.hold(flat)      # no op here: reduced with the window
+            return None
+        ledger = self._ledger
+        with ledger._lock:                   # no op here: reduced with the window
+            slots = ledger._hold(flat, False)
         node = _current_node()
         if node is not None:
             stage, node_name = "backward", node.name()
@@ -62,11 +71,17 @@ class DeviceWindow:
         else:
             stage = "optimizer" if self._opt_depth else "forward"
             node_name, node_prov = "", None
-            f = _caller(2)
-            while f is not None and not _USER.get(f.f_code.co_filename, False):
-                if f.f_code.co_filename not in _USER:
-                    _is_user_file(f.f_code.co_filename)
-                    continue
+            try:
+                f = _getframe(2)
+            except ValueError:               # (no Python caller that deep)
+                f = None
+            while f is not None:
+                name = f.f_code.co_filename
+                user = _USER.get(name)
+                if user is None:
+                    user = _is_user_file(name)
+                if user:
+                    break
                 f = f.f_back
             here = (f.f_code.co_filename, f.f_lineno, f.f_code.co_name) if f is not None else None
         # inputs already judged non-finite, noted now: they may be freed by the time the
@@ -75,11 +90,41 @@ class DeviceWindow:
         if self._taint:
             prior = [k for k in map(self._taint_get, _tiers.flat_tensors((args, kwargs)))
                      if k is not None]
-        self._win.append((slots, func, info, _weak(args), _weak(kwargs) if kwargs else None,
-                          _weak(outs), (stage, node_name, node_prov, self._top, here), prior,
+        # the arguments and outputs held weakly: a flat tuple of tensors and scalars (most
+        # ops) without a call
+        tensors = nested = False
+        for x in args:
+            if isinstance(x, Tensor):
+                tensors = True
+            elif isinstance(x, (list, tuple, dict)):
+                nested = True
+                break
+        if nested or type(args) is not tuple:
+            wargs = _weak(args)
+        elif tensors:
+            refs = []                        # (a loop: a comprehension is a call)
+            for a in args:
+                refs.append(_ref(a) if isinstance(a, Tensor) else a)
+            wargs = tuple(refs)
+        else:
+            wargs = args
+        wouts = None
+        if type(outs) is tuple:
+            refs = []
+            for t in outs:
+                if not isinstance(t, Tensor):
+                    break
+                refs.append(_ref(t))
+            else:
+                wouts = tuple(refs)
+        if wouts is None:
+            wouts = _weak(outs)
+        self._win.append((slots, func, info, wargs, _weak(kwargs) if kwargs else None,
+                          wouts, (stage, node_name, node_prov, self._top, here), prior,
                           flat[0].dtype))
         if len(self._win) >= WINDOW_MAX:
             self._flush_window()
+        return here
 
     def _backward_done(self):
         self._bwd_queued = False

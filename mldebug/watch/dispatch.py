@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core import frames as _frames
 from ..core import cuda_graphs as _cuda_graphs
-from .checks import (_F32, _LOW, _SUM_DTYPE, _checkable, _getframe, _grad_enabled,
+from .checks import (_F32, _LOW, _PLAIN, _STRIDED, _SUM_DTYPE, _getframe, _grad_enabled,
                      _isfinite)
 from .ops import OpInfo
 from .native_check import nonfinite as _native_nonfinite
@@ -113,7 +113,8 @@ class _Mode(TorchDispatchMode):
             sum_dtype = _SUM_DTYPE.get(out.dtype, 0)
             if sum_dtype == 0:
                 return out                # integer, bool, complex: not checked
-            if not _checkable(out):
+            if type(out) not in _PLAIN or out.layout is not _STRIDED or out.is_nested \
+                    or out.is_meta:       # (checks._checkable, inline: every op runs it)
                 return out                # fake/meta/nested/mkldnn/subclass: no data to read
             if out.is_cpu and _HOST_READS:
                 bad = _native_nonfinite(out)       # no op, no read; None: not readable
@@ -122,8 +123,15 @@ class _Mode(TorchDispatchMode):
                     bad = not _isfinite(s.item())
                 if bad:
                     w._slow(func, info, args, kwargs, (out,), None)
+            elif _grad_enabled():
+                here = w._window_add(func, info, args, kwargs, (out,))
+                if here is not None:      # (the user frame it found: no second walk)
+                    w._pending.append((out, (w._top, here[0], here[1], here[2],
+                                             info.torch_op)))
+                    return out
             else:
                 w._window_add(func, info, args, kwargs, (out,))
+                return out
             if _grad_enabled():
                 # provenance for backward: the user line of this forward op
                 try:
@@ -145,9 +153,10 @@ class _Mode(TorchDispatchMode):
             if info.mutated:
                 w._check_many(func, info, args, kwargs, w._mutated(info, args, kwargs))
         elif type(out) is tuple or type(out) is list:
-            w._check_many(func, info, args, kwargs, out)
+            here = w._check_many(func, info, args, kwargs, out)
             if _grad_enabled():
-                w._pending.append((out, w._provenance(info)))
+                w._pending.append((out, w._provenance(info) if here is None else
+                                   (w._top, here[0], here[1], here[2], info.torch_op)))
         return out
 
 
@@ -172,7 +181,8 @@ class PerOpCheck:
         return tensors
 
     def _check_many(self, func, info, args, kwargs, outs):
-        """Check a tuple/list of outputs (may hold lists: foreach ops)."""
+        """Check a tuple/list of outputs (may hold lists: foreach ops). Returns the user
+        frame the device window found (`_window_add`), else None."""
         cpu = []
         device = []
         for item in outs:
@@ -184,10 +194,13 @@ class PerOpCheck:
                 continue
             for t in items:
                 if isinstance(t, Tensor) and _SUM_DTYPE.get(t.dtype, 0) != 0 \
-                        and _checkable(t):
+                        and type(t) in _PLAIN and t.layout is _STRIDED \
+                        and not t.is_nested and not t.is_meta:    # (_checkable, inline)
                     (cpu if t.is_cpu and _HOST_READS else device).append(t)
-        if device:
-            self._window_add(func, info, args, kwargs, tuple(outs), device)
+        here = self._window_add(func, info, args, kwargs, tuple(outs), device) \
+            if device else None
+        if not cpu:
+            return here
         unread = []
         for t in cpu:
             bad = _native_nonfinite(t)             # no op, no read; None: not readable

@@ -121,3 +121,69 @@ def test_on_a_device_the_module_outputs_are_checked_by_a_few_fused_launches():
     mlp, cnn = forward_extra_ops_on_a_device("mlp"), forward_extra_ops_on_a_device("cnn")
     assert cnn == mlp, (mlp, cnn)
     assert mlp[1] <= 3 and mlp[0] <= 25, mlp
+
+
+# The Python calls one healthy step on the device path adds, all code (torch's too: the
+# hooks mldebug installs make torch run more of its own), on 2026-11-27 (third session),
+# torch 2.13.0: the watch +317 / +1759 / +2007, the recorder with all four logs every step
+# +383 / +3250 / +3214 on the plain step's 104 / 765 / 1259. On a GPU's launch-bound step
+# the training thread's CPU time is the step's time, and what mldebug adds there is mostly
+# these calls: a ceiling 15% above them catches a walk or a check put back on the hot
+# path (`Module.parameters()` walked every step was ~630 calls on the CNN). (A capture
+# left counted by an earlier test made every hook ask for one: ~10 calls a module call;
+# conftest's `_no_capture_left_open` fails such a test.)
+EXTRA_CALLS = {"mlp": (317, 383), "cnn": (1759, 3250), "gpt": (2007, 3214)}
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt"])
+def test_on_a_device_the_python_calls_a_step_adds_stay_under_their_ceiling(name, tmp_path):
+    from mldebug.record import stats
+    from mldebug.watch import core
+    from opcount import count_calls
+    got = {}
+    for part in ("plain", "watch", "record"):
+        torch.manual_seed(0)
+        model, loss_fn, opt = bench_watch.MODELS[name]("cpu")
+        on = {"plain": bench_watch.Plain, "watch": lambda: mldebug.watch(action="raise"),
+              "record": lambda: mldebug.record(model, run_dir=tmp_path, run=name)}[part]()
+        simulate = stats.simulate_device if part == "record" else core.simulate_device
+        simulate(part != "plain")
+        try:
+            with on:
+                got[part] = count_calls(lambda: bench_watch.step(model, loss_fn, opt),
+                                        warmup=6)
+        finally:
+            simulate(False)
+    for part, measured in zip(("watch", "record"), EXTRA_CALLS[name]):
+        extra = got[part] - got["plain"]
+        assert 0 < extra <= 1.15 * measured, (name, part, extra, measured)
+
+
+def test_on_a_device_an_op_outside_modules_costs_a_few_of_mldebugs_python_calls():
+    """Outside module calls (the loss, data handling) every op passes the per-op check;
+    on a GPU its outputs wait in the device window (device_window.py), and the training
+    thread's CPU time is the step's time. The check's Python per op, mldebug's own code
+    counted: the mode, the window, the ledger's hold, the provenance (and the window's
+    reduction, shared by its ops): 5.3 calls for `x * 2` and 13.3 for `F.cross_entropy`
+    (three ops) on 2026-11-27 (third session), 13.3 and 38.3 before."""
+    import os
+    import torch.nn.functional as F
+    from mldebug.watch import core
+    from opcount import count_calls
+    under = os.path.dirname(mldebug.__file__) + os.sep
+    x = torch.randn(64, 10, requires_grad=True)
+    y = torch.randint(0, 10, (64,))
+
+    def many(op):
+        return lambda: [op() for _ in range(100)]
+
+    core.simulate_device(True)
+    try:
+        with mldebug.watch(action="raise") as w:
+            mul = count_calls(many(lambda: x * 2), under=under, warmup=1) / 100
+            loss = count_calls(many(lambda: F.cross_entropy(x, y)), under=under,
+                               warmup=1) / 100
+            assert not w.violations
+    finally:
+        core.simulate_device(False)
+    assert 2 <= mul <= 6.5 and 6 <= loss <= 16, (mul, loss)

@@ -502,3 +502,30 @@ def test_a_forward_stop_in_a_module_is_the_only_stop_of_the_steps_that_follow(de
             opt.step()
     assert [(v.stage, v.op, v.module) for v in got] == [("forward", "aten.sqrt.default", "2")]
     assert bool(model[0].weight.isnan().all())
+
+
+def test_the_rng_a_replay_restores_is_torchs_own_state(monkeypatch):
+    """`tiers.rng_state()` (taken as every module call starts, for its replay) reads the
+    generators in C: the CPU state is `torch.get_rng_state()`'s, and CUDA's is one state
+    per device in the order `torch.cuda.set_rng_state_all` writes them back (stood in for
+    here by two CPU generators where CUDA is missing; none before CUDA starts)."""
+    from mldebug.watch import tiers
+    torch.manual_seed(3)
+    torch.rand(5)
+    if torch.cuda.is_available():
+        torch.rand(5, device="cuda")     # (CUDA started, its generators moved on)
+    cpu, cuda = tiers.rng_state()
+    assert torch.equal(cpu, torch.get_rng_state())
+    if torch.cuda.is_available():
+        expected = torch.cuda.get_rng_state_all()
+        assert cuda is not None and len(cuda) == len(expected)
+        assert all(torch.equal(a, b) for a, b in zip(cuda, expected))
+    else:
+        assert cuda is None
+        gens = (torch.Generator().manual_seed(1), torch.Generator().manual_seed(2))
+        monkeypatch.setattr(torch.cuda, "default_generators", gens)
+        cpu, cuda = tiers.rng_state()
+        assert [s.tolist() for s in cuda] == [g.get_state().tolist() for g in gens]
+        assert cuda[0].tolist() != cuda[1].tolist()
+    cpu[0] ^= 1                      # a copy: the generator's own state is untouched
+    assert not torch.equal(cpu, torch.get_rng_state())
