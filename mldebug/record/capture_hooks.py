@@ -33,7 +33,7 @@ class CaptureHooks:
             if _dynamo_compiling() or _FLAG._is_compiling_flag:
                 self._in_compiled = True
                 return None
-            if _replay.active() or (self.training_only and not module.training) \
+            if _replay._depth or (self.training_only and not module.training) \
                     or (_cuda_graphs.MAYBE[0] and cuda_graph_aside()):
                 return None  # (a watch's re-run of the call is not a new invocation)
             self._capture(path, cap, module, args)
@@ -45,7 +45,7 @@ class CaptureHooks:
             if _dynamo_compiling() or _FLAG._is_compiling_flag:
                 self._in_compiled = True
                 return None
-            if _replay.active() or (self.training_only and not module.training) \
+            if _replay._depth or (self.training_only and not module.training) \
                     or (_cuda_graphs.MAYBE[0] and cuda_graph_aside()):
                 return None  # (a watch's re-run of the call is not a new invocation)
             if self.condition is not None:

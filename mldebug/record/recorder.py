@@ -410,7 +410,7 @@ class Recorder(CaptureHooks, IoHolding, StepWriting):
             if _dynamo_compiling() or _FLAG._is_compiling_flag:
                 self._in_compiled = True
                 return None
-            if _replay.active() or (self.training_only and not module.training) \
+            if _replay._depth or (self.training_only and not module.training) \
                     or (_cuda_graphs.MAYBE[0] and cuda_graph_aside()):
                 return None  # (a watch's re-run of the call is not a new invocation)
             try:
@@ -464,7 +464,7 @@ class Recorder(CaptureHooks, IoHolding, StepWriting):
         self._thooks.append(t.register_hook(lambda g: self._on_grad(serial, targets, g)))
 
     def _on_grad(self, serial: int, targets: list, grad) -> None:
-        if _replay.active() or (_cuda_graphs.MAYBE[0] and cuda_graph_aside()):
+        if _replay._depth or (_cuda_graphs.MAYBE[0] and cuda_graph_aside()):
             return   # the watch's dry run of the loss's backward: the real pass follows
         if serial != self._serial or self.closed or grad is None:
             return None

@@ -29,7 +29,7 @@ import threading
 import torch
 
 from ..core import cuda_graphs as _cuda_graphs
-from ..core.native import values_address
+from ..core.native import with_values
 from ..core.structs import tensors_in
 from . import tiers as _tiers
 from .checks import _F32, _PLAIN
@@ -120,9 +120,7 @@ class StepLedger:
 
     def _reduce(self, items) -> None:
         groups: dict = {}
-        for x, slot in items:
-            if not values_address(x):  # (its memory was let go since it was held)
-                continue
+        for x, slot in with_values(items):   # (not memory let go since it was held)
             key = (x.get_device(), x.dtype)     # (cheaper than x.device)
             group = groups.get(key)
             if group is None:
