@@ -55,12 +55,25 @@ def count_calls(step: Callable[[], None], under: str = "", warmup: int = 3) -> i
     """Python function calls, on this thread, of code in files under the folder UNDER
     (all of them by default), during one call of STEP after WARMUP calls: the thread that
     launches a GPU's kernels (a writer thread's work is not counted)."""
+    return _count(step, lambda code: code.co_filename.startswith(under), warmup)
+
+
+def count_runs(step: Callable[[], None], code, warmup: int = 3) -> int:
+    """How often the function whose code object is CODE runs on this thread during one
+    call of STEP after WARMUP calls (the watch's `__torch_dispatch__`: the ops that pass
+    through its Python dispatch mode, each a Python round trip on top of its launch)."""
+    return _count(step, lambda seen: seen is code, warmup)
+
+
+def _count(step: Callable[[], None], match: Callable, warmup: int) -> int:
+    """Calls on this thread of functions whose code object MATCH accepts, during one call
+    of STEP after WARMUP calls."""
     for _ in range(warmup):
         step()
     calls = [0]
 
     def seen(frame, event, arg):
-        if event == "call" and frame.f_code.co_filename.startswith(under):
+        if event == "call" and match(frame.f_code):
             calls[0] += 1
 
     previous = sys.getprofile()
@@ -70,24 +83,3 @@ def count_calls(step: Callable[[], None], under: str = "", warmup: int = 3) -> i
     finally:
         sys.setprofile(previous)
     return calls[0]
-
-
-def count_runs(step: Callable[[], None], code, warmup: int = 3) -> int:
-    """How often the function whose code object is CODE runs on this thread during one
-    call of STEP after WARMUP calls (the watch's `__torch_dispatch__`: the ops that pass
-    through its Python dispatch mode, each a Python round trip on top of its launch)."""
-    for _ in range(warmup):
-        step()
-    runs = [0]
-
-    def seen(frame, event, arg):
-        if event == "call" and frame.f_code is code:
-            runs[0] += 1
-
-    previous = sys.getprofile()
-    sys.setprofile(seen)
-    try:
-        step()
-    finally:
-        sys.setprofile(previous)
-    return runs[0]
