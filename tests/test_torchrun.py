@@ -8,6 +8,7 @@ it fails the test)."""
 from __future__ import annotations
 
 import ast
+import io
 import re
 import subprocess
 import sys
@@ -19,7 +20,8 @@ from conftest import clean_env, marker_line, read_report
 
 TRAIN = """
     import sys
-    import os
+    import io
+import os
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -569,18 +571,22 @@ def test_without_the_hold_that_rank_times_out(write_program, tmp_path):
                                            "--hold-timeout", "0", str(prog)],
                           cwd=str(tmp_path), env=clean_env(), encoding="utf-8", timeout=60,
                           dimensions=(40, 200))
+    # the whole transcript: rank 0's notice and its timeout's text come from two streams
+    # of another process than rank 1's prompt, in no fixed order around the text matched
+    child.logfile_read = transcript = io.StringIO()
     try:
         child.expect(r"\(mldebug\)")
         child.expect(r"Timed out waiting 5000ms", timeout=20)
         child.sendline("q")
         child.expect(pexpect.EOF)
-        out = child.before
+        out = transcript.getvalue()
     finally:
         child.close(force=True)
     assert "process groups wait" not in out
     assert "rank 0 weights" not in out
-    # rank 0's post-mortem waits for its turn at the terminal
-    assert "[rank 0] mldebug: rank 1's prompt has the terminal" in out
+    # rank 0's post-mortem waits for its turn at the terminal, and ends with rank 1's q
+    assert "[rank 0] mldebug: rank 1's prompt has the terminal" in out, out
+    assert "[rank 0] mldebug: rank 1 ended the program at its prompt" in out, out
 
 
 RAISE_INTERACTIVELY = """
