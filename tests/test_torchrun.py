@@ -20,8 +20,7 @@ from conftest import clean_env, marker_line, read_report
 
 TRAIN = """
     import sys
-    import io
-import os
+    import os
     import torch
     import torch.distributed as dist
     from torch import nn
