@@ -18,7 +18,7 @@ from torch import Tensor
 from ..core import cuda_graphs as _cuda_graphs
 from ..core import frames as _frames
 from . import tiers as _tiers
-from .checks import _F32, METADATA_KEY, _getframe, _isfinite
+from .checks import _F32, METADATA_KEY, _counts, _floating, _getframe, _isfinite
 from .step_ledger import cuda_graph_aside, first_bad
 
 _current_node = torch._C._current_autograd_node
@@ -32,13 +32,16 @@ WINDOW_MAX = 1024          # device window: read the flags at least every this m
 class DeviceWindow:
     """Methods of `Watch` for the device window (entries in `Watch._win`)."""
 
-    def _window_add(self, func, info, args, kwargs, outs, flat=None):
+    def _window_add(self, func, info, args, kwargs, outs, flat=None, safe=0):
         """Sum the outputs on their device (no sync) and remember enough to judge later.
         Returns the user frame's (file, line, function) found for a forward op, else None
         (the caller's provenance reuses it: one walk up the stack per op).
 
         `outs`: the op's outputs as returned (tensors, or lists of them for foreach
-        ops); `flat`: the floating device tensors among them when already known. Not
+        ops); `flat`: the floating device tensors among them when already known; `safe`:
+        the op could not make a NaN/Inf from these inputs (ops.SAFE_ALWAYS). The host
+        path checks such an op only after something non-finite was judged, and so does
+        the window's judge: one made before the window is read is held for that. Not
         while a CUDA graph is captured: a reduction of ours would be captured with the
         program's kernels and run at each of its replays.
 
@@ -91,7 +94,10 @@ class DeviceWindow:
             prior = [k for k in map(self._taint_get, _tiers.flat_tensors((args, kwargs)))
                      if k is not None]
         # the arguments and outputs held weakly: a flat tuple of tensors and scalars (most
-        # ops) without a call
+        # ops) without a call. With each tensor argument, the address of its memory: if it
+        # is gone by the read, an earlier op of the window that wrote there tells what it
+        # held (identity cannot: a factory's output that the ledger holds reaches the
+        # program as another Python object)
         tensors = nested = False
         for x in args:
             if isinstance(x, Tensor):
@@ -101,13 +107,29 @@ class DeviceWindow:
                 break
         if nested or type(args) is not tuple:
             wargs = _weak(args)
+            memory = _memory_of(args, [])
         elif tensors:
             refs = []                        # (a loop: a comprehension is a call)
+            memory = []
             for a in args:
-                refs.append(_ref(a) if isinstance(a, Tensor) else a)
+                if isinstance(a, Tensor):
+                    ref = _ref(a)
+                    refs.append(ref)
+                    try:
+                        memory.append((ref, a.untyped_storage().data_ptr()))
+                    except Exception:        # noqa: BLE001 - no storage: nothing to tell
+                        pass
+                else:
+                    refs.append(a)
             wargs = tuple(refs)
         else:
             wargs = args
+            memory = []
+        if kwargs:
+            wkwargs = _weak(kwargs)
+            _memory_of(kwargs, memory)
+        else:
+            wkwargs = None
         wouts = None
         if type(outs) is tuple:
             refs = []
@@ -119,9 +141,15 @@ class DeviceWindow:
                 wouts = tuple(refs)
         if wouts is None:
             wouts = _weak(outs)
-        self._win.append((slots, func, info, wargs, _weak(kwargs) if kwargs else None,
-                          wouts, (stage, node_name, node_prov, self._top, here), prior,
-                          flat[0].dtype))
+        written = []
+        for t in flat:
+            try:
+                written.append(t.untyped_storage().data_ptr())
+            except Exception:                # noqa: BLE001 - (a subclass without storage)
+                pass
+        self._win.append((slots, func, info, wargs, wkwargs, wouts,
+                          (stage, node_name, node_prov, self._top, here), prior,
+                          flat[0].dtype, safe, memory, written))
         if len(self._win) >= WINDOW_MAX:
             self._flush_window()
         return here
@@ -156,34 +184,82 @@ class DeviceWindow:
 
     def _judge_flagged_ops(self, win, values):
         n0 = len(self.violations)
-        k = 0
-        for slots, func, info, wargs, wkwargs, wouts, entry, prior, dtype in win:
+        made: dict = {}   # memory address -> (the non-finite value, or None, of the last
+                          # op of this window that wrote there; a stop came before it)
+        for (slots, func, info, wargs, wkwargs, wouts, entry, prior, dtype, safe, memory,
+             written) in win:
             value = first_bad(values, slots)
-            if value is None:
+            if value is None or (safe and not self._taint):
+                # (safe: what the host path would not have checked: a NaN/Inf that came
+                # in from outside the watched ops (a constant, a tensor made before the
+                # watch) passes through; the next op that could have made it says where
+                # it came in)
+                for address in written:
+                    made[address] = (value, len(self.violations) > n0)
                 continue
             args = _live(wargs)
             kwargs = _live(wkwargs) if wkwargs else {}
             outs = _live(wouts)
             note = ""
-            if not any(t is not None for t, _ in self._flatten_outputs(outs)):
+            live = [t for t, _ in self._flatten_outputs(outs) if t is not None]
+            if not live:
                 # freed before the window was read: judged by its norm instead (counts
                 # are then those of the norm)
                 outs = (torch.tensor(value),)
                 note = "the output was freed before the window was read: judged by its norm"
+            elif not any(sum(_counts(t)) for t in live if _floating(t)):
+                # written over since (`x.nan_to_num_()`): the same, by its norm
+                outs = (torch.tensor(value),)
+                note = ("the output was written over before the window was read: judged "
+                        "by its norm")
             else:
                 dtype = None
-            freed = None
-            if _any_dead(wargs) or _any_dead(wkwargs):
-                # an input freed since: what it held is known if it was judged before the
-                # op ran; else, after an earlier op of this window made a NaN/Inf, it is
-                # taken to hold that (a temporary between the two): not a new stop
-                if prior:
-                    freed = (any(p[0] for p in prior), any(p[1] for p in prior),
-                             any(p[2] for p in prior))
-                elif k:
-                    freed = (True, True, len(self.violations) > n0)
-            k += 1
+            freed = _freed_inputs(made, memory, prior)
             self._slow(func, info, args, kwargs, outs, entry, note, freed, dtype)
+            for address in written:
+                made[address] = (value, len(self.violations) > n0)
+
+
+def _freed_inputs(made, memory, prior):
+    """What the op's tensor arguments that are gone since held: (has NaN, has Inf,
+    descends from a stop), or None when none held a NaN/Inf (or none is gone).
+
+    MEMORY: (weak reference, memory address) of each argument, from the op. One gone is
+    known by the check of the last earlier op of the window that wrote its memory (a
+    temporary between two ops of the window), or by its judgement before the op ran
+    (PRIOR: the taint of the op's arguments then); else it came from outside the window,
+    where what is not judged non-finite was finite."""
+    nan = inf = lineage = dead = False
+    for ref, address in memory:
+        if ref() is not None:
+            continue                  # (alive: the judge reads it)
+        dead = True
+        found = made.get(address)
+        if found is not None and found[0] is not None:
+            value = found[0]
+            nan, inf = nan or value != value, inf or value == value
+            lineage = lineage or found[1]
+    if dead and prior:
+        nan, inf = nan or any(p[0] for p in prior), inf or any(p[1] for p in prior)
+        lineage = lineage or any(p[2] for p in prior)
+    return (nan, inf, lineage) if nan or inf else None
+
+
+def _memory_of(value, found) -> list:
+    """(weak reference, memory address) of the tensors in VALUE (lists, tuples, dicts),
+    appended to FOUND."""
+    if isinstance(value, Tensor):
+        try:
+            found.append((_ref(value), value.untyped_storage().data_ptr()))
+        except Exception:                    # noqa: BLE001 - no storage: nothing to tell
+            pass
+    elif isinstance(value, (list, tuple)):
+        for x in value:
+            _memory_of(x, found)
+    elif isinstance(value, dict):
+        for x in value.values():
+            _memory_of(x, found)
+    return found
 
 
 def _weak(value):
@@ -200,17 +276,6 @@ def _weak(value):
     if isinstance(value, dict):
         return {k: _weak(v) for k, v in value.items()}
     return value
-
-
-def _any_dead(value) -> bool:
-    """Whether a tensor held by `_weak` is gone."""
-    if isinstance(value, weakref.ref):
-        return value() is None
-    if isinstance(value, (list, tuple)):
-        return any(_any_dead(x) for x in value)
-    if isinstance(value, dict):
-        return any(_any_dead(x) for x in value.values())
-    return False
 
 
 def _live(value):

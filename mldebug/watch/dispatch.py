@@ -95,20 +95,24 @@ class _Mode(TorchDispatchMode):
             w._attach_provenance()
         if w._stash and not _cuda_graphs.capturing():   # (no prompt inside a CUDA graph capture)
             w._deliver_stash()
-        if info.mutated and w._ledger.sources:
+        if info.mutated and (w._ledger._held or w._ledger.sources):
             w._before_mutation(w._mutated(info, args, kwargs))
         op = info.op
         safe = info.safe
-        if safe and (w._taint or w._win or (safe == 2 and not info.guard(args, kwargs))):
+        if safe and (w._taint or (safe == 2 and not info.guard(args, kwargs))):
             safe = 0
         out = op(*args, **kwargs) if kwargs else op(*args)
-        if safe and (not info.promote or not isinstance(out, Tensor)
-                     or out.dtype not in _LOW):
-            # cannot make a NaN/Inf from finite inputs, and nothing non-finite was
-            # judged yet: no check (see ops.SAFE_ALWAYS)
-            if info.prov and _grad_enabled():
-                w._pending.append((out, w._provenance(info)))
-            return out
+        if safe:
+            if info.promote and isinstance(out, Tensor) and out.dtype in _LOW:
+                safe = 0
+            elif not w._win:
+                # cannot make a NaN/Inf from finite inputs, and nothing non-finite was
+                # judged yet: no check (see ops.SAFE_ALWAYS)
+                if info.prov and _grad_enabled():
+                    w._pending.append((out, w._provenance(info)))
+                return out
+            # (else held: the device window's earlier ops are not judged yet. At the
+            # read it is judged only if one of them was non-finite: `safe` goes with it)
         if isinstance(out, Tensor):
             sum_dtype = _SUM_DTYPE.get(out.dtype, 0)
             if sum_dtype == 0:
@@ -124,13 +128,13 @@ class _Mode(TorchDispatchMode):
                 if bad:
                     w._slow(func, info, args, kwargs, (out,), None)
             elif _grad_enabled():
-                here = w._window_add(func, info, args, kwargs, (out,))
+                here = w._window_add(func, info, args, kwargs, (out,), None, safe)
                 if here is not None:      # (the user frame it found: no second walk)
                     w._pending.append((out, (w._top, here[0], here[1], here[2],
                                              info.torch_op)))
                     return out
             else:
-                w._window_add(func, info, args, kwargs, (out,))
+                w._window_add(func, info, args, kwargs, (out,), None, safe)
                 return out
             if _grad_enabled():
                 # provenance for backward: the user line of this forward op
@@ -151,9 +155,9 @@ class _Mode(TorchDispatchMode):
                 w._pending.append((out, (w._top, "", 0, "", info.torch_op)))
         elif out is None:
             if info.mutated:
-                w._check_many(func, info, args, kwargs, w._mutated(info, args, kwargs))
+                w._check_many(func, info, args, kwargs, w._mutated(info, args, kwargs), safe)
         elif type(out) is tuple or type(out) is list:
-            here = w._check_many(func, info, args, kwargs, out)
+            here = w._check_many(func, info, args, kwargs, out, safe)
             if _grad_enabled():
                 w._pending.append((out, w._provenance(info) if here is None else
                                    (w._top, here[0], here[1], here[2], info.torch_op)))
@@ -180,9 +184,10 @@ class PerOpCheck:
                 tensors.append(value)
         return tensors
 
-    def _check_many(self, func, info, args, kwargs, outs):
+    def _check_many(self, func, info, args, kwargs, outs, safe=0):
         """Check a tuple/list of outputs (may hold lists: foreach ops). Returns the user
-        frame the device window found (`_window_add`), else None."""
+        frame the device window found (`_window_add`), else None. SAFE: the op could
+        not make a NaN/Inf here (held for the device window only; see `_window_add`)."""
         cpu = []
         device = []
         for item in outs:
@@ -197,7 +202,7 @@ class PerOpCheck:
                         and type(t) in _PLAIN and t.layout is _STRIDED \
                         and not t.is_nested and not t.is_meta:    # (_checkable, inline)
                     (cpu if t.is_cpu and _HOST_READS else device).append(t)
-        here = self._window_add(func, info, args, kwargs, tuple(outs), device) \
+        here = self._window_add(func, info, args, kwargs, tuple(outs), device, safe) \
             if device else None
         if not cpu:
             return here

@@ -113,6 +113,23 @@ class StepLedger:
             self._reduce(held)
         return slots
 
+    def reduce_before_write(self, written) -> None:
+        """An op is about to write WRITTEN (memory addresses) in place: if a held
+        temporary lives there, reduce what is held now (queued, no sync), so that its
+        check sees what the op that made it made, not what the write leaves (`x =
+        torch.zeros(n); x.copy_(src)` must not blame the zeros)."""
+        with self._lock:
+            for x, _ in self._held:
+                try:
+                    if x.untyped_storage().data_ptr() in written:
+                        break
+                except RuntimeError:       # (no storage to share)
+                    continue
+            else:
+                return
+            held, self._held, self._held_bytes = self._held, [], 0
+            self._reduce(held)
+
     def then(self, judge, always: bool = False) -> None:
         """Run JUDGE(values) at the read when a slot held so far is not finite (ALWAYS:
         also when all are, with values None). values: slot -> float."""
@@ -295,18 +312,24 @@ class DeviceReads:
         del held
 
     def _before_mutation(self, tensors) -> None:
-        """An op outside modules is about to write TENSORS in place: if it writes what a
-        judge waiting for the step's read reads or re-runs from (a parameter, a call's
-        argument, an optimizer's state: weight clipping, a manual update), read now, while
-        the judge still sees what the program saw (and a re-run computes what it did)."""
+        """An op outside modules is about to write TENSORS in place. A temporary held
+        for the per-op check in that memory is reduced first. If it writes what a judge
+        waiting for the step's read reads or re-runs from (a parameter, a call's argument,
+        an optimizer's state: weight clipping, a manual update), read now, while the judge
+        still sees what the program saw (and a re-run computes what it did)."""
         ledger = self._ledger
-        if ledger.waiting is None:
-            ledger.waiting = _storages(ledger.sources)
+        written = set()
         for x in tensors:
             for t in (x if isinstance(x, (list, tuple)) else (x,)):
                 try:
-                    if t.untyped_storage().data_ptr() in ledger.waiting:
-                        self._read_ledger()
-                        return
+                    written.add(t.untyped_storage().data_ptr())
                 except (RuntimeError, AttributeError):
                     continue
+        if ledger._held:
+            ledger.reduce_before_write(written)
+        if not ledger.sources:
+            return
+        if ledger.waiting is None:
+            ledger.waiting = _storages(ledger.sources)
+        if not written.isdisjoint(ledger.waiting):
+            self._read_ledger()

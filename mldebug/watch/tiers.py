@@ -163,6 +163,9 @@ def _own_saved_tensors():
         return contextlib.nullcontext()
 
 
+_set_stance = getattr(torch.compiler, "set_stance", None)     # (torch >= 2.6)
+
+
 @contextlib.contextmanager
 def replay_context(call_rng, autocast, module):
     """RNG as it was at the call's start, the call's autocast, the rest of mldebug deaf to
@@ -187,6 +190,10 @@ def replay_context(call_rng, autocast, module):
         with contextlib.ExitStack() as stack:
             stack.enter_context(_replay.replaying())
             stack.enter_context(_own_saved_tensors())
+            if _set_stance is not None:
+                # a compiled model (or a compiled part of it) re-runs eagerly: its ops one
+                # by one under the exact mode, which compiled code hides from it
+                stack.enter_context(_set_stance("force_eager"))
             for device, dtype in autocast:
                 stack.enter_context(torch.autocast(device, dtype=dtype))
             yield

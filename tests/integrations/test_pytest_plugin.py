@@ -63,6 +63,22 @@ def test_a_report_fails_the_test_at_its_first_nan_and_the_others_run(write_progr
     assert (stop["file"], stop["line"]) == (str(tests), marker_line(tests))
 
 
+def test_on_a_device_a_stop_still_fails_its_own_test(write_program, tmp_path):
+    # a GPU's watch judges its window at the next read: the test's end is one
+    tests = write_program(USER_TESTS, "test_user_model.py")
+    (tests.parent / "conftest.py").write_text(
+        "from mldebug.watch import core\n"
+        "core.simulate_device(True)      # the device (GPU) path, taken by CPU tensors\n")
+    report = tmp_path / "stops.jsonl"
+    result = _pytest(tests, "--mldebug-report", report)
+    assert "1 failed, 2 passed" in result.stdout, result.stdout + result.stderr
+    assert "FAILED test_user_model.py::test_a_log_of_a_negative - Failed: mldebug: 1 NaN" \
+        in result.stdout
+    (stop,) = read_report(report)
+    assert (stop["reason"], stop["op"], stop["line"]) == (
+        "nan", "aten.log.default", marker_line(tests))
+
+
 def test_the_prompt_opens_through_pytests_capture(write_program):
     tests = write_program(USER_TESTS, "test_user_model.py")
     result = _pytest(tests, "--mldebug", stdin="why\np x\nc\n")

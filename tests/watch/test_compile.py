@@ -204,3 +204,32 @@ def test_a_nan_that_comes_into_a_compiled_model_stops_at_the_users_line(write_pr
     assert stop["data"] is None                       # a parameter, not the data
     assert "torchinductor" not in result.stderr
     assert "finished" not in result.stdout
+
+
+def test_a_nan_inside_a_compiled_module_is_pinned_by_an_eager_re_run(device):
+    # on a device the call is judged at a later read, and re-run from what it kept: the
+    # re-run is eager (compiled code hides its ops from the per-op check)
+    import torch
+    from torch import nn
+
+    from mldebug.watch import watch
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.log(self.fc(x) - 100.0)  # here
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    try:
+        with watch(on_violation=lambda v: None) as w:
+            model = torch.compile(Net())
+            out = model(torch.randn(4, 8, device=device))
+        assert [(v.op, v.function, v.module) for v in w.violations] == [
+            ("aten.log.default", "forward", "")]
+        assert out.isnan().any()
+    finally:
+        torch._dynamo.reset()

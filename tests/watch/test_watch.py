@@ -222,7 +222,8 @@ def test_batch_session_stop_cleans_up():
 
 
 # -- the rule --------------------------------------------------------------------------
-def test_propagation_is_not_a_new_stop_but_a_new_creation_is():
+def test_propagation_is_not_a_new_stop_but_a_new_creation_is(device):
+    # (device: also through the device window, judged at its read)
     with watch(on_violation=lambda v: None) as w:
         a = torch.log(torch.zeros(4))          # -Inf created: stop 1
         b = a * 2 + 1                          # flows on
@@ -273,7 +274,8 @@ def test_inf_from_outside_is_not_a_stop():
     assert w.violations == []
 
 
-def test_in_place_ops_are_judged_on_their_inputs_before_the_op():
+def test_in_place_ops_are_judged_on_their_inputs_before_the_op(device):
+    # (device: also through the device window, judged at its read)
     with watch(on_violation=lambda v: None) as w:
         x = torch.ones(3)
         x.div_(0.0)                       # created in place
@@ -282,6 +284,30 @@ def test_in_place_ops_are_judged_on_their_inputs_before_the_op():
         y.log_()                          # a new one, in place
     assert [(v.op, v.created) for v in w.violations] == [
         ("aten.div_.Tensor", True), ("aten.log_.default", True)]
+
+
+def test_a_written_value_is_not_blamed_on_the_op_that_made_the_tensor(device):
+    # the device window reads what it holds later: a write since must not move the
+    # blame to the op that made the tensor, nor hide what an op made
+    with watch(on_violation=lambda v: None) as w:
+        x = torch.randn(5, 4)
+        x[3, 1] = float("nan")            # a constant comes in: no op makes it
+        y = x * 2                         # where it is first read
+        a = torch.zeros(3)
+        b = a / a                         # made here ...
+        b.nan_to_num_()                   # ... and written over before any read
+    assert [(v.op, v.created) for v in w.violations] == [
+        ("aten.mul.Tensor", False), ("aten.div.Tensor", True)]
+    del y
+
+
+def test_break_on_nan_stops_at_a_new_nan_after_an_inf_went_by(device):
+    with watch(on_violation=lambda v: None, break_on=("nan",)) as w:
+        y = torch.log(torch.tensor([1.0, 0.0]))      # an Inf: no stop under break_on nan
+        z = y * 2
+        r = torch.sqrt(torch.tensor([-1.0]))        # from a temporary that held no Inf
+    assert [v.op for v in w.violations] == ["aten.sqrt.default"]
+    del z, r
 
 
 def test_views_and_uninitialized_memory_are_not_checked():
@@ -555,7 +581,8 @@ def test_nan_from_outside_through_unchecked_ops_stops_at_the_first_checked_op():
     assert v.culprit.startswith("input 1")
 
 
-def test_constants_and_casts_that_make_nan_or_inf_are_still_checked():
+def test_constants_and_casts_that_make_nan_or_inf_are_still_checked(device):
+    # (device: also through the device window, judged at its read)
     with watch(on_violation=lambda v: None) as w:
         a = torch.zeros(3).fill_(float("nan"))           # NaN written as a constant
     assert [v.op for v in w.violations] == ["aten.fill_.Scalar"]
