@@ -58,6 +58,11 @@ class DeviceWindow:
             sums = [t.sum(dtype=_F32) for t in flat]
             total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
             if not _isfinite(total.item()):
+                if (self._ledger or self._win) and not self._t.replaying:
+                    # what ran before (a forward waiting for the step's read) is judged
+                    # first, as the host path judged it already: a NaN it made is then
+                    # known here, not a new stop (the loss's dry run in backward)
+                    self._read_ledger()
                 self._slow(func, info, args, kwargs, outs, None)
             return None
         ledger = self._ledger
@@ -184,6 +189,7 @@ class DeviceWindow:
 
     def _judge_flagged_ops(self, win, values):
         n0 = len(self.violations)
+        judged = False    # an op of this window was judged non-finite already
         made: dict = {}   # memory address -> (the non-finite value, or None, of the last
                           # op of this window that wrote there; a stop came before it)
         for (slots, func, info, wargs, wkwargs, wouts, entry, prior, dtype, safe, memory,
@@ -214,28 +220,39 @@ class DeviceWindow:
                         "by its norm")
             else:
                 dtype = None
-            freed = _freed_inputs(made, memory, prior)
+            freed = _freed_inputs(made, memory, prior, judged, self._taint)
+            judged = True
             self._slow(func, info, args, kwargs, outs, entry, note, freed, dtype)
             for address in written:
                 made[address] = (value, len(self.violations) > n0)
 
 
-def _freed_inputs(made, memory, prior):
+def _freed_inputs(made, memory, prior, after, taint):
     """What the op's tensor arguments that are gone since held: (has NaN, has Inf,
     descends from a stop), or None when none held a NaN/Inf (or none is gone).
 
     MEMORY: (weak reference, memory address) of each argument, from the op. One gone is
     known by the check of the last earlier op of the window that wrote its memory (a
     temporary between two ops of the window), or by its judgement before the op ran
-    (PRIOR: the taint of the op's arguments then); else it came from outside the window,
-    where what is not judged non-finite was finite."""
+    (PRIOR: the taint of the op's arguments then), or by what was judged of its memory
+    since (TAINT: a view of a parameter the step's read found non-finite). Else it came
+    from outside the window (a module's output, a constant): AFTER an earlier op of the
+    window was judged non-finite, it is taken to hold what that made (not a new stop);
+    before, finite."""
     nan = inf = lineage = dead = False
     for ref, address in memory:
         if ref() is not None:
             continue                  # (alive: the judge reads it)
         dead = True
         found = made.get(address)
-        if found is not None and found[0] is not None:
+        if found is None:
+            record = taint.get(address)
+            if record is not None and record[0]() is not None:
+                nan, inf = nan or record[2], inf or record[3]
+                lineage = lineage or record[4]
+            elif after:
+                nan = inf = lineage = True
+        elif found[0] is not None:
             value = found[0]
             nan, inf = nan or value != value, inf or value == value
             lineage = lineage or found[1]

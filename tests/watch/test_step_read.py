@@ -333,3 +333,34 @@ def test_a_lightning_step_with_its_closure_is_read_after_the_closure(device):
                 Model(), torch.utils.data.DataLoader(data, batch_size=16))
     assert stops(got) == [("forward", "aten.sqrt.default", "2", lineno(Gate.forward),
                            BAD_STEP)]
+
+
+def test_a_checkpointed_forwards_nan_is_one_stop_through_backward_and_after(device):
+    # the loss's dry run in backward reads at once: the forward waiting for the step's
+    # read is judged first, so what flows from its NaN (the loss's backward, the update,
+    # a view of a parameter read after the step) is known, not a new stop
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.log(self.fc(x) - 100.0).relu()  # here
+
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([Block() for _ in range(3)]).to(device)
+    opt = torch.optim.SGD(blocks.parameters(), lr=0.1)
+    with watch(on_violation=lambda v: None) as w:
+        h = torch.randn(4, 8, device=device)
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            for b in blocks:
+                h = checkpoint(b, h, use_reentrant=False)
+            loss = h.float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        weights = [p.detach().double().sum() for p in blocks.parameters()]
+    assert [(v.stage, v.op, v.line) for v in w.violations] == [
+        ("forward", "aten.log.default", lineno(Block.forward))], w.violations
+    assert all(bool(x.isnan()) for x in weights)
