@@ -102,13 +102,37 @@ def cpu_as_device():
     """The watch's and the recorder's device (GPU) paths, taken by CPU tensors."""
     from mldebug.record import stats
     from mldebug.watch import core
+    before = _DEVICE_PATH[0]
     core.simulate_device(True)
     stats.simulate_device(True)
     try:
         yield "cpu"
     finally:
-        core.simulate_device(False)
-        stats.simulate_device(False)
+        core.simulate_device(before)
+        stats.simulate_device(before)
+
+
+# `pytest --device-path tests/watch`: every in-process test on the device path (what a
+# GPU runs; a subprocess, as the CLI's tests start, keeps the host path). Tests that
+# assert the host path's timing (a stop raised inside the op, a pause at its line) fail
+# there by design; a different stop, or none, is what this is for: the host path's
+# verdicts are the reference
+_DEVICE_PATH = [False]
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device-path", action="store_true", default=False,
+                     help="run the in-process tests on the watch's and the recorder's "
+                          "device paths (CPU tensors taking the GPU path)")
+
+
+def pytest_configure(config):
+    if config.getoption("--device-path"):
+        from mldebug.record import stats
+        from mldebug.watch import core
+        _DEVICE_PATH[0] = True
+        core.simulate_device(True)
+        stats.simulate_device(True)
 
 
 @pytest.fixture(params=["cpu", "cpu-as-device", pytest.param("cuda", marks=needs_cuda)])

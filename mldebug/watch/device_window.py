@@ -121,7 +121,8 @@ class DeviceWindow:
                     ref = _ref(a)
                     refs.append(ref)
                     try:
-                        memory.append((ref, a.untyped_storage().data_ptr()))
+                        storage = a.untyped_storage()
+                        memory.append((ref, storage.data_ptr(), _ref(storage)))
                     except Exception:        # noqa: BLE001 - no storage: nothing to tell
                         pass
                 else:
@@ -189,7 +190,6 @@ class DeviceWindow:
 
     def _judge_flagged_ops(self, win, values):
         n0 = len(self.violations)
-        judged = False    # an op of this window was judged non-finite already
         made: dict = {}   # memory address -> (the non-finite value, or None, of the last
                           # op of this window that wrote there; a stop came before it)
         for (slots, func, info, wargs, wkwargs, wouts, entry, prior, dtype, safe, memory,
@@ -220,38 +220,36 @@ class DeviceWindow:
                         "by its norm")
             else:
                 dtype = None
-            freed = _freed_inputs(made, memory, prior, judged, self._taint)
-            judged = True
+            freed = _freed_inputs(made, memory, prior, self._taint)
             self._slow(func, info, args, kwargs, outs, entry, note, freed, dtype)
             for address in written:
                 made[address] = (value, len(self.violations) > n0)
 
 
-def _freed_inputs(made, memory, prior, after, taint):
+def _freed_inputs(made, memory, prior, taint):
     """What the op's tensor arguments that are gone since held: (has NaN, has Inf,
     descends from a stop), or None when none held a NaN/Inf (or none is gone).
 
-    MEMORY: (weak reference, memory address) of each argument, from the op. One gone is
-    known by the check of the last earlier op of the window that wrote its memory (a
-    temporary between two ops of the window), or by its judgement before the op ran
-    (PRIOR: the taint of the op's arguments then), or by what was judged of its memory
-    since (TAINT: a view of a parameter the step's read found non-finite). Else it came
-    from outside the window (a module's output, a constant): AFTER an earlier op of the
-    window was judged non-finite, it is taken to hold what that made (not a new stop);
-    before, finite."""
+    MEMORY: (weak reference, memory address, weak reference to the storage) of each
+    argument, from the op. One gone is known by the check of the last earlier op of the
+    window that wrote its memory (a temporary between two ops of the window), or by its
+    judgement before the op ran (PRIOR: the taint of the op's arguments then), or, while
+    its memory lives on (a view of a parameter), by what was judged of that memory since
+    (TAINT: the same storage, not another one at the same address). Else it came from
+    outside the window's ops (a constant, a module's output) and was finite: a NaN/Inf
+    there was judged where it was made, or is new here."""
     nan = inf = lineage = dead = False
-    for ref, address in memory:
+    for ref, address, storage_ref in memory:
         if ref() is not None:
             continue                  # (alive: the judge reads it)
         dead = True
         found = made.get(address)
         if found is None:
-            record = taint.get(address)
-            if record is not None and record[0]() is not None:
+            storage = storage_ref()
+            record = taint.get(address) if storage is not None else None
+            if record is not None and record[0]() is storage:
                 nan, inf = nan or record[2], inf or record[3]
                 lineage = lineage or record[4]
-            elif after:
-                nan = inf = lineage = True
         elif found[0] is not None:
             value = found[0]
             nan, inf = nan or value != value, inf or value == value
@@ -263,11 +261,12 @@ def _freed_inputs(made, memory, prior, after, taint):
 
 
 def _memory_of(value, found) -> list:
-    """(weak reference, memory address) of the tensors in VALUE (lists, tuples, dicts),
-    appended to FOUND."""
+    """(weak reference, memory address, weak reference to its storage) of the tensors
+    in VALUE (lists, tuples, dicts), appended to FOUND."""
     if isinstance(value, Tensor):
         try:
-            found.append((_ref(value), value.untyped_storage().data_ptr()))
+            storage = value.untyped_storage()
+            found.append((_ref(value), storage.data_ptr(), _ref(storage)))
         except Exception:                    # noqa: BLE001 - no storage: nothing to tell
             pass
     elif isinstance(value, (list, tuple)):

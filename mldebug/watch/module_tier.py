@@ -143,7 +143,7 @@ class ModuleTier:
         if flag is not None and not t.done:
             kwargs = _tiers.call_kwargs(_caller(1))
             self._judge_flagged_root(module, args, kwargs, rng, flat_tensors(output),
-                                     flag[1])
+                                     flag[1], flagged=flag[0])
         if not _grad_enabled():
             return
         outs = flat_tensors(output)
@@ -178,25 +178,28 @@ class ModuleTier:
             self._flag_outputs(entries, values)
             if t.flag is None:
                 return
-            (_, counts), t.flag = t.flag, None
+            (flagged, counts), t.flag = t.flag, None
             outs = [o for o in (r() for r in out_refs) if o is not None]
             self._judge_flagged_root(call.module, call.args, call.kwargs,
                                      (call.cpu_rng, call.cuda_rng), outs, counts,
-                                     autocast=call.autocast)
+                                     autocast=call.autocast, flagged=flagged)
             call.lineage = call.lineage or t.done
         finally:
             t.flag, t.done = flag, done
 
-    def _judge_flagged_root(self, module, args, kwargs, rng, outs, counts, autocast=None):
+    def _judge_flagged_root(self, module, args, kwargs, rng, outs, counts, autocast=None,
+                            flagged=None):
         """An outermost call whose output a sentinel flagged: judged as its pattern was
-        before (a replay that found no stop), else re-run under the exact mode."""
+        before (a replay that found no stop), else re-run under the exact mode. FLAGGED:
+        the record of the call whose output the sentinel flagged (read after the call,
+        on a device), named if the re-run does not pin the op."""
         t = self._t
         key = (id(module), tuple(c > 0 for c in counts))
         if key in t.fruitless:
             self._taint_outputs(outs, t.fruitless[key])
             return
         self._replay_forward(module, args, kwargs, rng, outs, (module, None), counts, key,
-                             autocast=autocast)
+                             autocast=autocast, unpinned=flagged)
 
     def _forget_calls(self, calls=None):
         t = self._t
@@ -268,7 +271,7 @@ class ModuleTier:
             self._pending = []
 
     def _replay_forward(self, module, args, kwargs, rng, output, record, counts, key,
-                        autocast=None):
+                        autocast=None, unpinned=None):
         t = self._t
         n0, j0 = len(self.violations), self._judged
         reason = ""
@@ -290,7 +293,7 @@ class ModuleTier:
                 t.fruitless[key] = lineage
             return
         t.done = True
-        self._report_unpinned("forward", counts, record=record, reason=reason)
+        self._report_unpinned("forward", counts, record=unpinned or record, reason=reason)
 
     def _taint_outputs(self, tensors, lineage):
         with self._own_ops():

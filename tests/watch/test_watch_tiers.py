@@ -164,7 +164,9 @@ class Counter(nn.Module):
         return x * float("nan") if self.calls == 1 else x
 
 
-def test_a_call_that_cannot_be_replayed_still_stops_and_says_why():
+def test_a_call_that_cannot_be_replayed_still_stops_and_says_why(device):
+    # (device: its sentinels are read after the outermost call, which is re-run: the
+    # stop still names the call whose output was not finite)
     model = nn.Sequential(nn.Linear(2, 2), Counter())
     got, w = collect()
     with w:
