@@ -112,8 +112,8 @@ def cpu_as_device():
         stats.simulate_device(before)
 
 
-# `pytest --device-path tests/watch`: every in-process test on the device path (what a
-# GPU runs; a subprocess, as the CLI's tests start, keeps the host path). Tests that
+# `pytest --device-path tests/watch`: every test on the device path (what a GPU runs),
+# the CLI's subprocesses too (MLDEBUG_SIMULATE_DEVICE=1, which they inherit). Tests that
 # assert the host path's timing (a stop raised inside the op, a pause at its line) fail
 # there by design; a different stop, or none, is what this is for: the host path's
 # verdicts are the reference
@@ -122,8 +122,8 @@ _DEVICE_PATH = [False]
 
 def pytest_addoption(parser):
     parser.addoption("--device-path", action="store_true", default=False,
-                     help="run the in-process tests on the watch's and the recorder's "
-                          "device paths (CPU tensors taking the GPU path)")
+                     help="run the tests on the watch's and the recorder's device paths "
+                          "(CPU tensors taking the GPU path), the CLI's subprocesses too")
 
 
 def pytest_configure(config):
@@ -133,6 +133,7 @@ def pytest_configure(config):
         _DEVICE_PATH[0] = True
         core.simulate_device(True)
         stats.simulate_device(True)
+        os.environ["MLDEBUG_SIMULATE_DEVICE"] = "1"      # (the CLI's tests: a subprocess)
 
 
 @pytest.fixture(params=["cpu", "cpu-as-device", pytest.param("cuda", marks=needs_cuda)])

@@ -209,6 +209,15 @@ def test_lightning_with_a_compiled_module_checks_the_compiled_training_step(writ
         "inf", "forward", 2, True)
     assert (stop["file"], stop["line"]) == (str(prog), marker_line(prog))
     assert stop["message"].startswith("1 +Inf in training_step() at prog.py:")
+    # on a GPU's path (read later, not at each op) the same one stop: the extern kernels
+    # that compiled code runs through the per-op check (addmm.out into a buffer a fused
+    # kernel then writes) are not held for the later read
+    report = tmp_path / "device.jsonl"
+    device = run_cli(["--batch", "--report", str(report), str(prog), "bug"], timeout=300,
+                     env=clean_env(MLDEBUG_SIMULATE_DEVICE="1"))
+    assert device.returncode == 3, device.stderr
+    assert [(s["reason"], s["stage"], s["step"], s["line"]) for s in read_report(report)] == [
+        ("inf", "forward", 2, marker_line(prog))]
 
 
 def test_hugging_face_trainer_with_a_custom_compute_loss(write_program, tmp_path):

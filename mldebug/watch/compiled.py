@@ -74,9 +74,19 @@ def _user_function(fn) -> bool:
 def _checked(compiled, fn, active_watch):
     @functools.wraps(compiled)
     def call(*args, **kwargs):
-        out = compiled(*args, **kwargs)
         watch = active_watch()
-        if watch is not None and not _compiling():
+        if watch is None or _compiling():
+            return compiled(*args, **kwargs)
+        # the few ops of compiled code that reach the per-op check (extern kernels:
+        # `mm.out` into a buffer that a fused kernel then writes in place, unseen) are not
+        # held for a later read: by then the buffer holds what they did not make. Its
+        # outputs are checked here, at its return
+        watch._in_compiled += 1
+        try:
+            out = compiled(*args, **kwargs)
+        finally:
+            watch._in_compiled -= 1
+        if watch is active_watch():
             watch._compiled_returned(fn, args, kwargs, out)
         return out
 

@@ -76,6 +76,11 @@ def simulate_device(on: bool) -> None:
         _tiers._HOST_READS = not on
 
 
+if os.environ.get("MLDEBUG_SIMULATE_DEVICE") == "1":
+    # developers: CPU tensors take the device path here and in child processes (the CLI
+    # tests under `pytest --device-path`)
+    simulate_device(True)
+
 _Sequential = torch.nn.Sequential
 
 
@@ -141,6 +146,7 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
         self._pending: list = []    # forward outputs waiting for their grad_fn
         self._stash: list = []      # violations found off the owner thread
         self._win: list = []        # device window entries
+        self._in_compiled = 0       # a compiled function runs (compiled.py): not held
         self._ledger = StepLedger() # device tensors waiting for their read (step_ledger.py)
         self._step_grads: dict = {} # id(param) -> (counts, judged, from a stop) of its
                                     # non-finite gradient at the last step (on a device)

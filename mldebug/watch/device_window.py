@@ -50,6 +50,8 @@ class DeviceWindow:
         lock taken here, the stack walked inline, `_weak` only for nested arguments)."""
         if _cuda_graphs.MAYBE[0] and cuda_graph_aside():
             return None
+        if self._in_compiled:
+            return None                      # (checked at its return: compiled.py)
         if flat is None:
             flat = outs
         if self._t.read_now:

@@ -364,3 +364,17 @@ def test_a_checkpointed_forwards_nan_is_one_stop_through_backward_and_after(devi
     assert [(v.stage, v.op, v.line) for v in w.violations] == [
         ("forward", "aten.log.default", lineno(Block.forward))], w.violations
     assert all(bool(x.isnan()) for x in weights)
+
+
+def test_the_device_path_variable_reaches_a_child_process():
+    # (what `pytest --device-path` sets, so that the CLI's tests take that path too)
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+    probe = ("from mldebug.watch import dispatch; from mldebug.record import stats; "
+             "print(dispatch._HOST_READS, stats._HOST[0])")
+    for value, expected in (("1", "False False"), ("0", "True True")):
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             env=clean_env(MLDEBUG_SIMULATE_DEVICE=value), timeout=120)
+        assert out.stdout.split() == expected.split(), out.stderr
