@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import bdb
 import builtins
+import linecache
 import logging
 import os
 import runpy
@@ -282,9 +283,24 @@ def _watches(started) -> list:
     return [w for w in (started, active if active is not started else None) if w is not None]
 
 
-def _flush_watches(started) -> None:
-    for watch in _watches(started):
-        watch.flush()
+def _flush_watches(started, program: "Program", globals_: dict, debugger) -> None:
+    """Judge what the watches still hold (a device's last window, stops found on
+    autograd's device threads) from a frame over the program's globals, one line past the
+    end of its file and named `<end of program>`: a stop found there opens the prompt
+    where the program's names can be read (`p loss`), not in mldebug's own frame."""
+    pending = [watch for watch in _watches(started) if watch.pending]
+    if not pending:
+        return
+    lines = len(linecache.getlines(program.filename))
+    code = compile("\n" * lines + "__mldebug_flush__()\n", program.filename, "exec")
+    code = code.replace(co_name=_frames.END_OF_PROGRAM)
+    if debugger is not None:
+        debugger.program_code = code      # the stack shown starts there (`where`, `up`)
+
+    def flush():
+        for watch in pending:
+            watch.flush()
+    exec(code, globals_, {"__mldebug_flush__": flush})
 
 
 def _close_watches(started) -> None:
@@ -395,7 +411,7 @@ def run(args) -> int:
             exec(program.code, globals_)
         # what the watch still holds (a CUDA program's last window, stops found on
         # autograd's device thread) is judged while a stop can still pause or end the run
-        _flush_watches(watch)
+        _flush_watches(watch, program, globals_, debugger)
         # the program may have caught BatchStop (`except BaseException`): the stop stands;
         # bdb.run (--stop-at-start) swallows the BdbQuit of an input that ended
         return EXIT_BATCH_STOP if session.batch_stopped or session.input_ended else 0

@@ -143,6 +143,11 @@ class MLCommands(MLCommandSet):
         if stop.reason == "interrupt":
             self.message("  (`inspect NAME`, `history`, `graph` work here; `c` continues; "
                          "Ctrl-C again ends the program)")
+        elif frame is not None and frame.f_code.co_name == _frames.END_OF_PROGRAM:
+            # a device's last read, after the program's last line (cli.py)
+            self.message(f"  (found at the program's end: paused after the last line of "
+                         f"{os.path.basename(stop.pause_file)}, over its globals; "
+                         "`why` explains, `inspect NAME` shows a tensor, `c` continues)")
         elif stop.pause_file:
             self.message(f"  (paused at {os.path.basename(stop.pause_file)}:{stop.pause_line}; "
                          "`why` explains, `inspect NAME` shows a tensor, `c` continues)")
@@ -210,6 +215,8 @@ class MLCommands(MLCommandSet):
         self.set_step()
 
     def stop_here(self, frame):
+        if frame.f_code.co_name == _frames.END_OF_PROGRAM:
+            return False      # the CLI's last reads (cli.py): stepping ends the program
         if self._interrupt_pending:
             return _interrupt.can_pause_at(frame, self.program_code)
         return super().stop_here(frame)

@@ -36,6 +36,10 @@ def _library_dirs() -> tuple[str, ...]:
 
 
 _LIBRARY_DIRS = _library_dirs()
+
+# co_name of the frame the CLI judges a watch's last pending reads in: a line past the end
+# of the program's file, over its globals (cli.py), so a stop found there shows its names
+END_OF_PROGRAM = "<end of program>"
 _is_user_cache: dict[str, bool] = {}
 
 

@@ -15,6 +15,7 @@ from ..core.quiet import watch_suspended
 from ..summaries import describe, summary
 from ..summaries.slicing import is_tensor
 from . import cell as _cell
+from .cell_end import EndWithRead, end_with_read
 
 USAGE = """\
 %mldebug on [--break-on KINDS] [--allow PATTERN ...] [--watch on|off|exact]
@@ -63,6 +64,7 @@ class NotebookDebug:
         self.watch_mode = "on"
         self.engines = None
         self._saved_tb = None       # IPython's post-mortem, while ours stands in
+        self._end_with_read = EndWithRead(shell)    # each cell ends with the watch's read
 
     # -- the session ---------------------------------------------------------------
     def configure(self, args) -> _session.Session:
@@ -116,6 +118,7 @@ class NotebookDebug:
         source = "\n" + shell.transform_cell(cell)
         filename = shell.compile.cache(source, shell.execution_count, raw_code=cell)
         tree = ast.parse(source, filename)
+        end_with_read(tree.body)        # a device's pending read, in the cell (cell_end.py)
         last = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
             last = ast.Expression(tree.body.pop().value)
@@ -132,6 +135,7 @@ class NotebookDebug:
         if not self.on:
             events.register("pre_run_cell", self.start_cell)
             events.register("post_run_cell", self.end_cell)
+            self.shell.ast_transformers.append(self._end_with_read)
             self.on = True
         self._post_mortem("exception" in args.break_on)
         self.end_cell()
@@ -142,6 +146,8 @@ class NotebookDebug:
             events = self.shell.events
             events.unregister("pre_run_cell", self.start_cell)
             events.unregister("post_run_cell", self.end_cell)
+            if self._end_with_read in self.shell.ast_transformers:
+                self.shell.ast_transformers.remove(self._end_with_read)
             self.on = False
         self._post_mortem(False)
         self.end_cell()

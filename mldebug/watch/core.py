@@ -239,6 +239,12 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
                 _ACTIVE = None
             _quiet.watch_closed(self)
 
+    @property
+    def pending(self) -> bool:
+        """Whether `flush()` has anything to judge on this thread."""
+        return (self._started and _get_ident() == self._owner
+                and bool(self._win or self._ledger or self._stash))
+
     def flush(self) -> None:
         """Judge now what is still pending: the device window, and stops found on
         autograd's device threads (they pause on this thread). The CLI calls it when the

@@ -222,13 +222,13 @@ class DeviceWindow:
                         "by its norm")
             else:
                 dtype = None
-            freed = _freed_inputs(made, memory, prior, self._taint)
+            freed = _freed_inputs(made, memory, prior, self._taint_at)
             self._slow(func, info, args, kwargs, outs, entry, note, freed, dtype)
             for address in written:
                 made[address] = (value, len(self.violations) > n0)
 
 
-def _freed_inputs(made, memory, prior, taint):
+def _freed_inputs(made, memory, prior, taint_at):
     """What the op's tensor arguments that are gone since held: (has NaN, has Inf,
     descends from a stop), or None when none held a NaN/Inf (or none is gone).
 
@@ -237,9 +237,9 @@ def _freed_inputs(made, memory, prior, taint):
     window that wrote its memory (a temporary between two ops of the window), or by its
     judgement before the op ran (PRIOR: the taint of the op's arguments then), or, while
     its memory lives on (a view of a parameter), by what was judged of that memory since
-    (TAINT: the same storage, not another one at the same address). Else it came from
-    outside the window's ops (a constant, a module's output) and was finite: a NaN/Inf
-    there was judged where it was made, or is new here."""
+    (TAINT_AT: Verdict._taint_at, for the same storage, not another one at the same
+    address). Else it came from outside the window's ops (a constant, a module's output)
+    and was finite: a NaN/Inf there was judged where it was made, or is new here."""
     nan = inf = lineage = dead = False
     for ref, address, storage_ref in memory:
         if ref() is not None:
@@ -248,10 +248,10 @@ def _freed_inputs(made, memory, prior, taint):
         found = made.get(address)
         if found is None:
             storage = storage_ref()
-            record = taint.get(address) if storage is not None else None
-            if record is not None and record[0]() is storage:
-                nan, inf = nan or record[2], inf or record[3]
-                lineage = lineage or record[4]
+            record = taint_at(address, storage) if storage is not None else None
+            if record is not None:
+                _, _, was_nan, was_inf, was_lineage = record
+                nan, inf, lineage = nan or was_nan, inf or was_inf, lineage or was_lineage
         elif found[0] is not None:
             value = found[0]
             nan, inf = nan or value != value, inf or value == value

@@ -123,7 +123,7 @@ class StepLedger:
                 try:
                     if x.untyped_storage().data_ptr() in written:
                         break
-                except RuntimeError:       # (no storage to share)
+                except RuntimeError:       # (no storage to share; held are plain tensors)
                     continue
             else:
                 return
@@ -196,18 +196,27 @@ class StepLedger:
         return {**late, **self._late}, judges, items
 
 
+def memory_addresses(tensors, found=None) -> set:
+    """Addresses of the memory of TENSORS (tensors, or lists / tuples of them; a tensor
+    without storage to share has none), added to FOUND."""
+    found = set() if found is None else found
+    for x in tensors:
+        for t in (x if isinstance(x, (list, tuple)) else (x,)):
+            try:
+                found.add(t.untyped_storage().data_ptr())
+            except (RuntimeError, AttributeError):
+                continue
+    return found
+
+
 def _storages(sources) -> set:
     """Addresses of the memory of SOURCES: lists of tensors, and RootCalls (their
     modules' parameters and their tensor arguments)."""
     found = set()
     for source in sources:
-        tensors = source if isinstance(source, list) else \
-            list(source.module.parameters()) + tensors_in((source.args, source.kwargs))
-        for t in tensors:
-            try:
-                found.add(t.untyped_storage().data_ptr())
-            except RuntimeError:
-                continue
+        memory_addresses(source if isinstance(source, list) else
+                         list(source.module.parameters())
+                         + tensors_in((source.args, source.kwargs)), found)
     return found
 
 
@@ -318,13 +327,7 @@ class DeviceReads:
         an optimizer's state: weight clipping, a manual update), read now, while the judge
         still sees what the program saw (and a re-run computes what it did)."""
         ledger = self._ledger
-        written = set()
-        for x in tensors:
-            for t in (x if isinstance(x, (list, tuple)) else (x,)):
-                try:
-                    written.add(t.untyped_storage().data_ptr())
-                except (RuntimeError, AttributeError):
-                    continue
+        written = memory_addresses(tensors)
         if ledger._held:
             ledger.reduce_before_write(written)
         if not ledger.sources:

@@ -141,6 +141,18 @@ class Verdict:
             self._prune_taint()
         self._taint[ptr] = (ref, self._version(t), has_nan, has_inf, lineage)
 
+    def _taint_at(self, address, storage=None):
+        """The taint record (storage ref, version, has_nan, has_inf, lineage) of the memory
+        at ADDRESS while the storage it was taken of lives (STORAGE: that very storage,
+        when the caller knows it; a later tensor can reuse the address), else None."""
+        rec = self._taint.get(address)
+        if rec is None:
+            return None
+        held = rec[0]()
+        if held is None or (storage is not None and held is not storage):
+            return None
+        return rec
+
     def _prune_taint(self) -> None:
         """Drop the records of non-finite tensors whose memory is gone."""
         self._taint = {k: r for k, r in self._taint.items() if r[0]() is not None}
@@ -172,12 +184,10 @@ class Verdict:
             ptr = t.untyped_storage().data_ptr()
         except Exception:
             return None
-        rec = self._taint.get(ptr)
+        rec = self._taint_at(ptr)
         if rec is None:
-            return None
-        ref, version, has_nan, has_inf, lineage = rec
-        if ref() is None:
-            return None     # that memory was freed; this is a new tensor at its address
+            return None     # not judged, or freed: a new tensor at its address
+        _, version, has_nan, has_inf, lineage = rec
         now = self._version(t)
         if version is not None and now is not None and now - version not in (0, 1):
             return None  # written by a later op: that op's own check judged it

@@ -149,6 +149,33 @@ class TestLaunchStopsOnNaN:
         assert exited["exitCode"] == 0
         assert "finished nan" in "".join(dap.output)
 
+    def test_on_a_device_a_stop_read_at_the_programs_end_shows_a_frame_over_its_globals(
+            self, adapter, write_program, tmp_path):
+        """On a GPU (the device path, simulated) a NaN made outside any model, last thing
+        in the program, is judged by the read at its end: VS Code shows a frame of the
+        program (`<end of program>`, after its last line) where its names evaluate; it
+        used to show no frame at all (justMyCode hides mldebug's)."""
+        prog = write_program("""
+            import torch
+            x = torch.zeros(3)
+            y = torch.log(x) * 0  # here
+        """)
+        config = launch_args("--break-on", "nan", prog, cwd=str(tmp_path))
+        config["env"]["MLDEBUG_SIMULATE_DEVICE"] = "1"
+        dap = adapter
+        dap.start("launch", config)
+        _, thread, top = stopped_frame(dap, "exception")
+        assert (top["name"], Path(top["source"]["path"]).resolve()) == \
+            ("<end of program>", prog.resolve())
+        assert top["line"] == len(prog.read_text().splitlines()) + 1
+        info = dap.request("exceptionInfo", {"threadId": thread})
+        assert f"prog.py:{marker_line(prog)}" in info["description"], info
+        value = dap.request("evaluate", {"expression": "x + 1", "frameId": top["id"],
+                                         "context": "repl"})["result"]
+        assert value.startswith("tensor[3] f32") and "[1., 1., 1.]" in value, value
+        dap.request("continue", {"threadId": thread})
+        assert dap.wait_event("exited", timeout=25)["exitCode"] == 0
+
     def test_the_panel_functions_answer_json_in_the_paused_frame(self, adapter, tmp_path):
         dap = adapter
         dap.start("launch", launch_args(NAN_STEP, cwd=str(tmp_path)))

@@ -53,3 +53,37 @@ def test_a_stop_and_a_post_mortem_in_the_ipython_terminal():
     assert "\naten.div.Tensor\n" in out
     assert "mldebug: uncaught ZeroDivisionError: division by zero" in out
     assert "\n41\n" in out
+
+
+def test_on_a_device_a_stop_read_at_the_cells_end_opens_the_prompt_in_the_cell():
+    """On a GPU (the device path, simulated) an op outside model calls waits for the next
+    read; a cell that runs no step after it ends with that read (cell_end.py), so the
+    prompt opens in the cell's frame, where its names are, and `c` ends the cell."""
+    child = pexpect.spawn(sys.executable, ["-m", "IPython", "--no-banner", "--colors=NoColor",
+                                           "--simple-prompt", "--HistoryManager.enabled=False"],
+                          env=clean_env(TERM="dumb", MLDEBUG_SIMULATE_DEVICE="1"),
+                          encoding="utf-8", timeout=120, dimensions=(40, 200))
+    transcript = []
+    child.logfile_read = type("Log", (), {"write": lambda self, s: transcript.append(s),
+                                          "flush": lambda self: None})()
+    try:
+        for n, line in enumerate(["import torch, mldebug", "%load_ext mldebug",
+                                  "%mldebug on --break-on nan"], 1):
+            child.expect_exact(f"In [{n}]: ")
+            child.sendline(line)
+        child.expect_exact("In [4]: ")
+        child.sendline("x = torch.zeros(3); y = torch.log(x) * 0; print('after')")
+        child.expect_exact("(mldebug) ")
+        child.sendline("p x + 1")
+        child.expect_exact("(mldebug) ")
+        child.sendline("c")
+        child.expect_exact("In [5]: ")
+        child.sendline("exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    out = "".join(transcript).replace("\r\n", "\n")
+    assert "mldebug: 3 NaN from aten.mul.Tensor (torch.mul) at <ipython-input-4-" in out
+    assert "> <ipython-input-4-" in out and ">(1)<module>()" in out
+    assert "tensor([1., 1., 1.])" in out
+    assert out.index("after") < out.index("mldebug: 3 NaN")

@@ -47,6 +47,7 @@ def installed():
         capture=repr(active_capture()),
         call_pdb=get_ipython().call_pdb,
         events=[len(get_ipython().events.callbacks[e]) for e in ("pre_run_cell", "post_run_cell")],
+        ast_transformers=len(get_ipython().ast_transformers),
     )
 
 BEFORE = installed()
@@ -84,15 +85,15 @@ def planted_line() -> int:
     return next(i for i, line in enumerate(PLANTED.splitlines(), 1) if "# here" in line)
 
 
-def run_notebook(cells: list[str], tmp_path, allow_errors: bool = True):
+def run_notebook(cells: list[str], tmp_path, allow_errors: bool = True, **env):
     """Execute CELLS in a fresh python3 kernel (this interpreter, this worktree on
-    PYTHONPATH); the executed notebook."""
+    PYTHONPATH, ENV added); the executed notebook."""
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(textwrap.dedent(c))
                                          for c in cells])
     client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=TIMEOUT,
                                      startup_timeout=TIMEOUT, allow_errors=allow_errors,
                                      resources={"metadata": {"path": str(tmp_path)}})
-    client.execute(env=clean_env(MPLBACKEND="agg"))
+    client.execute(env=clean_env(MPLBACKEND="agg", **env))
     return nb
 
 
@@ -217,3 +218,47 @@ def test_an_uncaught_exception_in_a_mldebug_cell_is_the_stop_at_its_cell_line(ex
     stop = last_json(executed.cells[19])
     assert stop["reason"] == "exception" and stop["exception"] == "ZeroDivisionError: division by zero"
     assert stop["line"] == 3          # the cell's own numbering: %%mldebug is line 1
+
+
+OUTSIDE_MODELS = """\
+x = torch.zeros(3)
+y = torch.log(x) * 0  # here
+print("after")
+"""
+
+
+def test_on_a_device_a_nan_the_cell_makes_outside_models_ends_that_cell(tmp_path):
+    """On a GPU (the device path, simulated in the kernel) an op outside model calls is
+    judged at the next read; a cell with no training step after it used to end with the
+    op still pending, its stop judged after the cell where it could neither end the cell
+    nor open the prompt: nothing showed. Each watched cell now ends with that read (its
+    last expression wrapped, same value shown), under `%mldebug on` and `%%mldebug`."""
+    nb = run_notebook([
+        "import json\nimport torch\nimport mldebug",                        # 0
+        "%load_ext mldebug",                                               # 1
+        "%mldebug on --break-on nan",                                      # 2
+        "torch.ones(2).sum()",                                             # 3 shown
+        OUTSIDE_MODELS,                                                    # 4 the stop
+        "print(json.dumps(mldebug.last_stop().to_dict()))",                # 5
+        "%config InteractiveShell.ast_node_interactivity = 'last_expr_or_assign'",
+        "v = torch.ones(3) * 2",                                           # 7 shown
+        "%mldebug off",                                                    # 8
+        "%%mldebug --break-on nan\n" + OUTSIDE_MODELS,                     # 9 the stop
+        "print(len(get_ipython().ast_transformers))",                      # 10
+    ], tmp_path, MLDEBUG_SIMULATE_DEVICE="1")
+    cells = nb.cells
+    for index in (0, 1, 2, 3, 5, 6, 7, 8, 10):
+        assert not errors_of(cells[index]), (index, text_of(cells[index]))
+    assert text_of(cells[3]) == "tensor(2.)"
+    assert text_of(cells[7]) == "tensor([2., 2., 2.])"
+    line = next(i for i, text in enumerate(OUTSIDE_MODELS.splitlines(), 1) if "# here" in text)
+    for index, at in ((4, line), (9, line + 1)):       # (%%mldebug: line 1 is the magic)
+        (error,) = errors_of(cells[index])
+        assert error.ename == "StopInCell", index
+        assert "aten.mul.Tensor (torch.mul) at " in error.evalue
+        assert f".py:{at} [forward]" in error.evalue, (index, error.evalue)
+        assert "after" in text_of(cells[index])
+        assert "mldebug/" not in "\n".join(error.traceback)
+    stop = last_json(cells[5])
+    assert (stop["op"], stop["line"], stop["created"]) == ("aten.mul.Tensor", line, True)
+    assert text_of(cells[10]).strip() == "0"

@@ -164,8 +164,10 @@ def test_on_a_device_an_op_outside_modules_costs_a_few_of_mldebugs_python_calls(
     on a GPU its outputs wait in the device window (device_window.py), and the training
     thread's CPU time is the step's time. The check's Python per op, mldebug's own code
     counted: the mode, the window, the ledger's hold, the provenance (and the window's
-    reduction, shared by its ops): 5.3 calls for `x * 2` and 13.3 for `F.cross_entropy`
-    (three ops) on 2026-11-27 (third session), 13.3 and 38.3 before."""
+    reduction, shared by its ops): 6.0 calls for `x * 2` and 10.1 for `F.cross_entropy`
+    (three ops) on 2026-11-27 (sixth session: the window also notes each argument's
+    memory and which ops cannot make a NaN/Inf); 5.3 and 13.3 in the third session, 13.3
+    and 38.3 before."""
     import os
     import torch.nn.functional as F
     from mldebug.watch import core

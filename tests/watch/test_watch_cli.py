@@ -169,3 +169,27 @@ def test_quit_at_a_stop_inside_a_model_ends_the_program(write_program, mode):
     assert result.returncode == 0, result.stderr
     assert "mldebug: " in result.stdout
     assert "finished" not in result.stdout
+
+
+def test_on_a_device_a_stop_read_at_the_programs_end_opens_over_its_globals(write_program):
+    """On a GPU (the device path, simulated) an op outside any model is judged at the next
+    read; when that read is the program's end, the prompt opens in a frame over the
+    program's globals, after its last line, not in mldebug's own frame: its names can be
+    read, the report still names the op's line, and stepping or `c` ends the program."""
+    prog = write_program("""
+        import torch
+        x = torch.zeros(3)
+        y = torch.log(x) * 0  # here
+        print("after", x.tolist())
+    """)
+    last = len(prog.read_text().splitlines())
+    result = run_cli(["--break-on", "nan", str(prog)], stdin="p x + 1\nwhere\nn\nn\n",
+                     env=clean_env(MLDEBUG_SIMULATE_DEVICE="1"))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert f"from aten.mul.Tensor (torch.mul) at prog.py:{marker_line(prog)} [forward]" in out
+    assert "paused after the last line of prog.py, over its globals" in out
+    assert f"> {prog}({last + 1})<end of program>()" in out
+    assert "tensor([1., 1., 1.])" in out
+    assert "mldebug/" not in out.split("(mldebug)", 1)[1]       # `where`: no frame of ours
+    assert out.index("after [0.0, 0.0, 0.0]") < out.index("mldebug: ")
