@@ -34,6 +34,10 @@ _SKIP = ["mldebug", "mldebug.*", "bdb", "pdb",
          "IPython.core.debugger", "IPython.terminal.debugger"]
 
 
+# a stop found at a device's read after its op: how to pause at the op itself instead
+_EXACT_HINT = "`--watch exact` pauses at the op (a sync per op); "
+
+
 class MLCommands(MLCommandSet):
     """What mldebug adds to a pdb.Pdb subclass: where a pause lands, pausing from inside
     an engine, Ctrl-C, end of input, and the ML commands (prompt/commands.py)."""
@@ -147,9 +151,13 @@ class MLCommands(MLCommandSet):
             # a device's last read, after the program's last line (cli.py)
             self.message(f"  (found at the program's end: paused after the last line of "
                          f"{os.path.basename(stop.pause_file)}, over its globals; "
-                         "`why` explains, `inspect NAME` shows a tensor, `c` continues)")
+                         f"{_EXACT_HINT}`why` explains, `inspect NAME` shows a tensor, "
+                         "`c` continues)")
         elif stop.pause_file:
-            self.message(f"  (paused at {os.path.basename(stop.pause_file)}:{stop.pause_line}; "
+            later = stop.violation is not None and stop.violation.read_later
+            self.message(f"  (paused at {os.path.basename(stop.pause_file)}:{stop.pause_line}"
+                         f"{', the first read after the op' if later else ''}; "
+                         f"{_EXACT_HINT if later else ''}"
                          "`why` explains, `inspect NAME` shows a tensor, `c` continues)")
         else:
             self.message("  (`why` explains, `inspect NAME` shows a tensor, `c` continues)")

@@ -51,6 +51,8 @@ class Violation:
     text: str = ""                 # assertion message / hint
     # came in with the data: {"variable", "rows", "dataset_indices"} (watch/data_origin.py)
     data: Optional[dict] = None
+    # judged at a read after the op ran (a device's window: its frame may be gone)
+    read_later: bool = False
 
     @property
     def count(self) -> int:

@@ -54,9 +54,10 @@ class DeviceWindow:
             return None                      # (checked at its return: compiled.py)
         if flat is None:
             flat = outs
-        if self._t.read_now:
-            # a re-run or the loss region's dry run is there to pin the op: read now (a
-            # sync per op, on these rare paths), while the op's inputs are alive to judge
+        if self._t.read_now or self.exact:
+            # a re-run or the loss region's dry run is there to pin the op, and `exact`
+            # pauses at the op itself: read now (a sync per op), while the op's inputs
+            # (and its frame) are alive to judge
             sums = [t.sum(dtype=_F32) for t in flat]
             total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
             if not _isfinite(total.item()):

@@ -84,6 +84,8 @@ class Verdict:
                             node_prov, record, frame, here, freed, dtype)
             if v is not None and note:
                 v.text = f"{v.text}; {note}" if v.text else note
+            if v is not None and entry is not None:
+                v.read_later = True
             if v is not None and reported is None:
                 reported = v
         if reported is not None:

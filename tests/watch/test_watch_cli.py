@@ -193,3 +193,36 @@ def test_on_a_device_a_stop_read_at_the_programs_end_opens_over_its_globals(writ
     assert "tensor([1., 1., 1.])" in out
     assert "mldebug/" not in out.split("(mldebug)", 1)[1]       # `where`: no frame of ours
     assert out.index("after [0.0, 0.0, 0.0]") < out.index("mldebug: ")
+
+
+def test_on_a_device_watch_exact_pauses_at_the_op_itself_and_the_default_says_so(write_program):
+    """On a GPU the default watch judges an op outside model calls at the next read, by
+    which time the function that ran it may have returned: the stop names the op's line,
+    pauses later, and says how to pause at the op. `--watch exact` reads each op as it
+    runs (a sync per op) and pauses in the op's frame, its locals alive."""
+    prog = write_program("""
+        import torch
+
+        def step(x, w):
+            h = x @ w
+            out = torch.log(h)  # here
+            return out.sum()
+
+        torch.manual_seed(0)
+        loss = step(torch.randn(4, 3), torch.randn(3, 2))
+        print("finished")
+    """)
+    env = clean_env(MLDEBUG_SIMULATE_DEVICE="1")
+    at = f"from aten.log.default (torch.log) at prog.py:{marker_line(prog)} [forward]"
+    default = run_cli([str(prog)], stdin="p h.shape\nc\n", env=env)
+    assert default.returncode == 0, default.stderr
+    assert at in default.stdout
+    assert "`--watch exact` pauses at the op (a sync per op)" in default.stdout
+    assert "NameError: name 'h' is not defined" in default.stdout
+    exact = run_cli(["--watch", "exact", str(prog)], stdin="p h.shape\nc\n", env=env)
+    assert exact.returncode == 0, exact.stderr
+    assert at in exact.stdout
+    assert f"> {prog}({marker_line(prog)})step()" in exact.stdout
+    assert "torch.Size([4, 2])" in exact.stdout
+    assert "--watch exact" not in exact.stdout
+    assert exact.stdout.index("mldebug: ") < exact.stdout.index("finished")
