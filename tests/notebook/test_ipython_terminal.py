@@ -12,19 +12,25 @@ pexpect = pytest.importorskip("pexpect")
 pytest.importorskip("IPython")
 
 
-def test_a_stop_and_a_post_mortem_in_the_ipython_terminal():
+def ipython(on: str, **env):
+    """The IPython terminal in a pty, `%mldebug ON` typed as its third cell; the child
+    and the list its output is written to."""
     child = pexpect.spawn(sys.executable, ["-m", "IPython", "--no-banner", "--colors=NoColor",
                                            "--simple-prompt", "--HistoryManager.enabled=False"],
-                          env=clean_env(TERM="dumb"), encoding="utf-8", timeout=120,
+                          env=clean_env(TERM="dumb", **env), encoding="utf-8", timeout=120,
                           dimensions=(40, 200))
     transcript = []
     child.logfile_read = type("Log", (), {"write": lambda self, s: transcript.append(s),
                                           "flush": lambda self: None})()
+    for n, line in enumerate(["import torch, mldebug", "%load_ext mldebug", on], 1):
+        child.expect_exact(f"In [{n}]: ")
+        child.sendline(line)
+    return child, transcript
+
+
+def test_a_stop_and_a_post_mortem_in_the_ipython_terminal():
+    child, transcript = ipython("%mldebug on")
     try:
-        for n, line in enumerate(["import torch, mldebug", "%load_ext mldebug",
-                                  "%mldebug on"], 1):
-            child.expect_exact(f"In [{n}]: ")
-            child.sendline(line)
         child.expect_exact("In [4]: ")
         child.sendline("x = torch.zeros(3); y = x / x; print('after', int(y.isnan().sum()))")
         child.expect_exact("(mldebug) ")
@@ -59,18 +65,8 @@ def test_on_a_device_a_stop_read_at_the_cells_end_opens_the_prompt_in_the_cell()
     """On a GPU (the device path, simulated) an op outside model calls waits for the next
     read; a cell that runs no step after it ends with that read (cell_end.py), so the
     prompt opens in the cell's frame, where its names are, and `c` ends the cell."""
-    child = pexpect.spawn(sys.executable, ["-m", "IPython", "--no-banner", "--colors=NoColor",
-                                           "--simple-prompt", "--HistoryManager.enabled=False"],
-                          env=clean_env(TERM="dumb", MLDEBUG_SIMULATE_DEVICE="1"),
-                          encoding="utf-8", timeout=120, dimensions=(40, 200))
-    transcript = []
-    child.logfile_read = type("Log", (), {"write": lambda self, s: transcript.append(s),
-                                          "flush": lambda self: None})()
+    child, transcript = ipython("%mldebug on --break-on nan", MLDEBUG_SIMULATE_DEVICE="1")
     try:
-        for n, line in enumerate(["import torch, mldebug", "%load_ext mldebug",
-                                  "%mldebug on --break-on nan"], 1):
-            child.expect_exact(f"In [{n}]: ")
-            child.sendline(line)
         child.expect_exact("In [4]: ")
         child.sendline("x = torch.zeros(3); y = torch.log(x) * 0; print('after')")
         child.expect_exact("(mldebug) ")
