@@ -12,9 +12,9 @@ pexpect = pytest.importorskip("pexpect")
 pytest.importorskip("IPython")
 
 
-def ipython(on: str, **env):
-    """The IPython terminal in a pty, `%mldebug ON` typed as its third cell; the child
-    and the list its output is written to."""
+def ipython(on: str, steps: list, **env) -> str:
+    """The IPython terminal in a pty: `%mldebug ON` typed as its third cell, then each
+    (prompt awaited, line typed) of STEPS, then `exit`; what it printed."""
     child = pexpect.spawn(sys.executable, ["-m", "IPython", "--no-banner", "--colors=NoColor",
                                            "--simple-prompt", "--HistoryManager.enabled=False"],
                           env=clean_env(TERM="dumb", **env), encoding="utf-8", timeout=120,
@@ -22,37 +22,29 @@ def ipython(on: str, **env):
     transcript = []
     child.logfile_read = type("Log", (), {"write": lambda self, s: transcript.append(s),
                                           "flush": lambda self: None})()
-    for n, line in enumerate(["import torch, mldebug", "%load_ext mldebug", on], 1):
-        child.expect_exact(f"In [{n}]: ")
-        child.sendline(line)
-    return child, transcript
-
-
-def test_a_stop_and_a_post_mortem_in_the_ipython_terminal():
-    child, transcript = ipython("%mldebug on")
+    cells = [("In [1]: ", "import torch, mldebug"), ("In [2]: ", "%load_ext mldebug"),
+             ("In [3]: ", on)]
     try:
-        child.expect_exact("In [4]: ")
-        child.sendline("x = torch.zeros(3); y = x / x; print('after', int(y.isnan().sum()))")
-        child.expect_exact("(mldebug) ")
-        child.sendline("inspect x")
-        child.expect_exact("(mldebug) ")
-        child.sendline("c")
-        child.expect_exact("In [5]: ")
-        child.sendline("print(mldebug.last_stop().op)")
-        child.expect_exact("In [6]: ")
-        child.sendline("def f(v):\n    return 1 / v\n")
-        child.expect_exact("In [7]: ")
-        child.sendline("f(0)")
-        child.expect_exact("(mldebug) ")
-        child.sendline("p v + 41")
-        child.expect_exact("(mldebug) ")
-        child.sendline("q")
-        child.expect_exact("In [8]: ")
-        child.sendline("exit")
+        for prompt, line in cells + steps:
+            child.expect_exact(prompt)
+            child.sendline(line)
         child.expect(pexpect.EOF)
     finally:
         child.close(force=True)
-    out = "".join(transcript).replace("\r\n", "\n")
+    return "".join(transcript).replace("\r\n", "\n")
+
+
+def test_a_stop_and_a_post_mortem_in_the_ipython_terminal():
+    out = ipython("%mldebug on", [
+        ("In [4]: ", "x = torch.zeros(3); y = x / x; print('after', int(y.isnan().sum()))"),
+        ("(mldebug) ", "inspect x"),
+        ("(mldebug) ", "c"),
+        ("In [5]: ", "print(mldebug.last_stop().op)"),
+        ("In [6]: ", "def f(v):\n    return 1 / v\n"),
+        ("In [7]: ", "f(0)"),
+        ("(mldebug) ", "p v + 41"),
+        ("(mldebug) ", "q"),
+        ("In [8]: ", "exit")])
     assert "mldebug: 3 NaN from aten.div.Tensor (torch.div) at <ipython-input-4-" in out
     assert "x: tensor[3] f32" in out
     assert "after 3" in out
@@ -65,20 +57,11 @@ def test_on_a_device_a_stop_read_at_the_cells_end_opens_the_prompt_in_the_cell()
     """On a GPU (the device path, simulated) an op outside model calls waits for the next
     read; a cell that runs no step after it ends with that read (cell_end.py), so the
     prompt opens in the cell's frame, where its names are, and `c` ends the cell."""
-    child, transcript = ipython("%mldebug on --break-on nan", MLDEBUG_SIMULATE_DEVICE="1")
-    try:
-        child.expect_exact("In [4]: ")
-        child.sendline("x = torch.zeros(3); y = torch.log(x) * 0; print('after')")
-        child.expect_exact("(mldebug) ")
-        child.sendline("p x + 1")
-        child.expect_exact("(mldebug) ")
-        child.sendline("c")
-        child.expect_exact("In [5]: ")
-        child.sendline("exit")
-        child.expect(pexpect.EOF)
-    finally:
-        child.close(force=True)
-    out = "".join(transcript).replace("\r\n", "\n")
+    out = ipython("%mldebug on --break-on nan", [
+        ("In [4]: ", "x = torch.zeros(3); y = torch.log(x) * 0; print('after')"),
+        ("(mldebug) ", "p x + 1"),
+        ("(mldebug) ", "c"),
+        ("In [5]: ", "exit")], MLDEBUG_SIMULATE_DEVICE="1")
     assert "mldebug: 3 NaN from aten.mul.Tensor (torch.mul) at <ipython-input-4-" in out
     assert "> <ipython-input-4-" in out and ">(1)<module>()" in out
     assert "tensor([1., 1., 1.])" in out
