@@ -52,7 +52,7 @@ from .graph_replays import GraphReplays
 from .dispatch import _OP_INFOS, PerOpCheck, _Mode, _skip_dynamo
 from .module_tier import ModuleTier
 from .optimizer_tier import OptimizerTier
-from .step_ledger import DeviceReads, StepLedger, cuda_graph_aside
+from .step_ledger import DeviceReads, StepLedger, cuda_graph_aside, memory_addresses
 from .tiers import TierState
 from .verdict import Verdict
 
@@ -344,6 +344,8 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
                 t.last_out = None
                 t.popped = _tiers.pop_if_top(self._mode)
                 if t.popped:
+                    if self._ledger._held:
+                        self._reduce_arguments(args)
                     self._top = (module, None, t.start_rng, _plan(module), 0)
                     return None
         elif t.popped and not t.replaying:
@@ -357,6 +359,15 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
             return None
         self._top = (module, top)
         return None
+
+    def _reduce_arguments(self, args):
+        """An outermost call begins with the per-op check off: it may write an argument
+        in place (`nn.ReLU(inplace=True)` turns -inf into 0) unseen. A temporary the
+        ledger holds in an argument's memory (the device window's output, read later) is
+        reduced first (queued, no sync), so its check sees what the op that made it
+        made."""
+        kwargs = _tiers.call_kwargs(_caller(1))
+        self._ledger.reduce_before_write(memory_addresses(_tiers.flat_tensors((args, kwargs))))
 
     def _compile_note(self, module):
         self._compile_warned = True

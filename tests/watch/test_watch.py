@@ -301,6 +301,29 @@ def test_a_written_value_is_not_blamed_on_the_op_that_made_the_tensor(device):
     del y
 
 
+def test_what_a_module_writes_over_in_place_is_judged_as_it_was_made(device):
+    # the device window holds `h` for a read after the model call: the model writing over
+    # its input in place (ReLU(inplace=True) turns -inf into 0) must not hide what made it
+    model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(3, 2))
+    with watch(on_violation=lambda v: None) as w:
+        h = torch.log(torch.tensor([[1.0, 0.0, 2.0]]))      # -inf made here ...
+        out = model(h)                                      # ... and written over
+    assert [(v.op, v.created, v.kind) for v in w.violations] == [
+        ("aten.log.default", True, "inf")]
+    assert torch.isfinite(out).all()
+
+    class Masked(nn.Module):             # (a keyword argument, written over the same way)
+        def forward(self, x, *, mask):
+            return x * mask.nan_to_num_()
+
+    x = torch.ones(2, requires_grad=True)
+    with watch(on_violation=lambda v: None) as w:
+        mask = torch.tensor([1.0, 0.0]) / torch.tensor([1.0, 0.0])    # NaN made here
+        out = Masked()(x, mask=mask)
+    assert [(v.op, v.created, v.kind) for v in w.violations] == [
+        ("aten.div.Tensor", True, "nan")]
+
+
 def test_break_on_nan_stops_at_a_new_nan_after_an_inf_went_by(device):
     with watch(on_violation=lambda v: None, break_on=("nan",)) as w:
         y = torch.log(torch.tensor([1.0, 0.0]))      # an Inf: no stop under break_on nan
