@@ -357,6 +357,12 @@ def main(argv=None):
     reps = {"mlp": 200, "cnn": 15, "gpt": 7} if not args.quick else {"mlp": 60, "cnn": 5, "gpt": 3}
     per = {"mlp": 5, "cnn": 1, "gpt": 1}
     only = args.variants.split(",")
+    unknown = sorted(set(only) - set(variants()))
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from "
+                     f"{', '.join(variants())}")
+    if "plain" not in only:
+        only.insert(0, "plain")          # (every ratio is to it)
     print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, "
           f"{'quick' if args.quick else 'full'}, batch x{args.batch_scale}"
           + (", compiled" if args.compile else ""))
