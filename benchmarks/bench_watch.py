@@ -1,7 +1,7 @@
 """Cost of `mldebug.watch()` on a training step, as ratios to the plain step.
 
     python benchmarks/bench_watch.py [--quick] [--models mlp,cnn,gpt] [--device cpu|cuda]
-                                     [--batch-scale N] [--compile]
+                                     [--batch-scale N] [--compile] [--launch-bound]
 
 One process; for each model the variants run interleaved, in a new (seeded) random order
 every repetition (plain, plain2 = plain again, the
@@ -16,6 +16,9 @@ The last line is the cost of the DataLoader bookkeeping the watch keeps to name 
 sample's dataset index (watch/data_origin.py): time per batch of a shuffled DataLoader
 over MLP-sized batches with it and without, as a share of the MLP step, and the tensor ops
 it adds (none: it keeps references and indices).
+--launch-bound times the same models with tiny shapes on one CPU thread, the watch on its
+device path: a step's time is then its host work, as on a launch-bound GPU step (the
+CPU's stand-in for the H100 figures; benchmarks/README.md, watch, says how close it is).
 --compile runs each model as `torch.compile(model)` and prints, besides the ratios, dynamo's
 counts (machine-independent): graph breaks and the graphs compiled in all, which stay
 those of the plain compiled step when nothing mldebug installs enters a compiled graph
@@ -44,14 +47,16 @@ from opcount import count_calls, count_runs, count_step  # noqa: E402
 
 # -- models --------------------------------------------------------------------------
 BATCH_SCALE = [1]   # --batch-scale: larger batches keep a GPU busy (not launch-bound)
+TINY = [False]      # --launch-bound: the same models with tiny shapes (see main)
 WRAP = [lambda m: m]   # --compile: torch.compile; the loss calls the wrapped model
 
 
 def make_mlp(device):
-    m = nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                      nn.Linear(256, 10)).to(device)
-    x = torch.randn(64 * BATCH_SCALE[0], 784, device=device)
-    y = torch.randint(0, 10, (64 * BATCH_SCALE[0],), device=device)
+    d, h, b = (16, 16, 4) if TINY[0] else (784, 256, 64)
+    m = nn.Sequential(nn.Linear(d, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(),
+                      nn.Linear(h, 10)).to(device)
+    x = torch.randn(b * BATCH_SCALE[0], d, device=device)
+    y = torch.randint(0, 10, (b * BATCH_SCALE[0],), device=device)
     run = WRAP[0](m)
     return m, (lambda: F.cross_entropy(run(x), y)), torch.optim.SGD(m.parameters(), lr=0.01)
 
@@ -78,16 +83,17 @@ class BasicBlock(nn.Module):
 
 
 class ResNet18(nn.Module):
-    def __init__(self, classes=10):
+    def __init__(self, classes=10, width=64):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64),
-                                  nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1))
-        layers, cin = [], 64
-        for cout, stride in [(64, 1), (128, 2), (256, 2), (512, 2)]:
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 7, 2, 3, bias=False),
+                                  nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+                                  nn.MaxPool2d(3, 2, 1))
+        layers, cin = [], width
+        for cout, stride in [(width, 1), (2 * width, 2), (4 * width, 2), (8 * width, 2)]:
             layers += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
             cin = cout
         self.layers = nn.Sequential(*layers)
-        self.fc = nn.Linear(512, classes)
+        self.fc = nn.Linear(8 * width, classes)
 
     def forward(self, x):
         x = self.layers(self.stem(x))
@@ -95,9 +101,10 @@ class ResNet18(nn.Module):
 
 
 def make_cnn(device):
-    m = ResNet18().to(device)
-    x = torch.randn(16 * BATCH_SCALE[0], 3, 64, 64, device=device)
-    y = torch.randint(0, 10, (16 * BATCH_SCALE[0],), device=device)
+    width, b, side = (2, 2, 16) if TINY[0] else (64, 16, 64)
+    m = ResNet18(width=width).to(device)
+    x = torch.randn(b * BATCH_SCALE[0], 3, side, side, device=device)
+    y = torch.randint(0, 10, (b * BATCH_SCALE[0],), device=device)
     run = WRAP[0](m)
     return m, (lambda: F.cross_entropy(run(x), y)), torch.optim.SGD(m.parameters(), lr=0.01,
                                                                     momentum=0.9)
@@ -123,9 +130,10 @@ class GPT(nn.Module):
 
 
 def make_gpt(device):
-    m = GPT().to(device)
-    idx = torch.randint(0, 1000, (8 * BATCH_SCALE[0], 128), device=device)
-    y = torch.randint(0, 1000, (8 * BATCH_SCALE[0], 128), device=device)
+    vocab, d, heads, T, b = (50, 16, 2, 8, 2) if TINY[0] else (1000, 512, 8, 128, 8)
+    m = GPT(vocab, d, heads, T=T).to(device)
+    idx = torch.randint(0, vocab, (b * BATCH_SCALE[0], T), device=device)
+    y = torch.randint(0, vocab, (b * BATCH_SCALE[0], T), device=device)
     run = WRAP[0](m)
     return m, (lambda: F.cross_entropy(run(idx).flatten(0, 1), y.flatten())), \
         torch.optim.AdamW(m.parameters(), lr=1e-4)
@@ -345,6 +353,10 @@ def main(argv=None):
     parser.add_argument("--batch-scale", type=int, default=1,
                         help="multiply every model's batch (a GPU busy rather than "
                              "launch-bound)")
+    parser.add_argument("--launch-bound", action="store_true",
+                        help="the models with tiny shapes on one thread, the watch on its "
+                             "device path: the CPU's stand-in for a launch-bound GPU step, "
+                             "where the step's time is the host's dispatch time")
     parser.add_argument("--compile", action="store_true",
                         help="run the models compiled (torch.compile(model)) and print dynamo's "
                              "graph and graph-break counts")
@@ -352,8 +364,12 @@ def main(argv=None):
     if args.batch_scale < 1:
         parser.error(f"--batch-scale must be 1 or more, got {args.batch_scale}")
     BATCH_SCALE[0] = args.batch_scale
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    TINY[0] = args.launch_bound
+    if args.threads or args.launch_bound:
+        torch.set_num_threads(args.threads or 1)
+    from mldebug.watch import core
+    # (on the CPU, the watch's GPU code: what a launch-bound step pays on a device)
+    simulate = args.launch_bound and args.device == "cpu"
     reps = {"mlp": 200, "cnn": 15, "gpt": 7} if not args.quick else {"mlp": 60, "cnn": 5, "gpt": 3}
     per = {"mlp": 5, "cnn": 1, "gpt": 1}
     only = args.variants.split(",")
@@ -365,7 +381,9 @@ def main(argv=None):
         only.insert(0, "plain")          # (every ratio is to it)
     print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, "
           f"{'quick' if args.quick else 'full'}, batch x{args.batch_scale}"
-          + (", compiled" if args.compile else ""))
+          + (", compiled" if args.compile else "")
+          + (", launch-bound stand-in (tiny shapes"
+             + (", the watch's device path)" if simulate else ")") if args.launch_bound else ""))
     header = f"{'model':6} {'plain ms':>9} " + " ".join(f"{k:>15}" for k in only if k != "plain")
     print(header)
     mlp_step = None
@@ -373,11 +391,22 @@ def main(argv=None):
         if args.compile:
             torch._dynamo.reset()
             dynamo_utils.counters.clear()
-        med = measure(name, args.device, reps[name], steps_per_rep=per[name], only=only,
-                      compiled=args.compile)
+        core.simulate_device(simulate)
+        try:
+            med = measure(name, args.device, reps[name], steps_per_rep=per[name], only=only,
+                          compiled=args.compile)
+        finally:
+            core.simulate_device(False)
         base = med["plain"]
         cells = " ".join(f"{med[k] / base:>14.2f}x" for k in only if k != "plain")
         print(f"{name:6} {base * 1e3:>9.2f} {cells}", flush=True)
+        if args.launch_bound:
+            # what a step adds in host time: on a launch-bound GPU step the same Python
+            # runs, beside a plain step whose ops each cost a launch more than here
+            added = ", ".join(f"{k} {(med[k] - base) * 1e6:+.0f}" for k in only
+                              if k not in ("plain", "plain2"))
+            print(f"{name:6} host time a step, us: plain {base * 1e6:.0f}; added: {added}",
+                  flush=True)
         if args.compile:
             c = dynamo_utils.counters
             print(f"{name:6} dynamo: {sum(c['graph_break'].values())} graph breaks, "
@@ -389,7 +418,7 @@ def main(argv=None):
             print(count_ops(name, args.device), flush=True)
             if args.device == "cpu":
                 print(count_ops(name, "cpu", simulate_device=True), flush=True)
-    if mlp_step is not None:
+    if mlp_step is not None and not args.launch_bound:
         extra, ops = data_index_cost(20 if args.quick else 60)
         print(f"data index bookkeeping (DataLoader, batch 64x784): {extra * 1e6:+.1f} us a "
               f"batch = {100 * extra / mlp_step:+.2f}% of the mlp step; {ops:+.0f} tensor "

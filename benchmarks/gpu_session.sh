@@ -55,7 +55,7 @@ fi
 # 1. correctness first: the CUDA paths, and the device-path tests on a real device
 # (the image has pytest-xdist: four workers share the GPU)
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
-part tests 200 python3 -m pytest -q -p no:cacheprovider $XDIST tests/test_cuda_paths.py \
+part tests 180 python3 -m pytest -q -p no:cacheprovider $XDIST tests/test_cuda_paths.py \
     tests/record/test_record_ops.py tests/record/test_record.py \
     tests/watch/test_step_read.py tests/watch/test_step_ledger.py tests/watch/test_op_budget.py \
     tests/test_cuda_graph_capture.py tests/record/test_block_graphs.py \
@@ -66,4 +66,8 @@ part watch_x16 50 python3 benchmarks/bench_watch.py --device cuda --quick --mode
     --batch-scale 16
 # 3. the recorder, every step and not
 part record 140 python3 benchmarks/bench_record.py --device cuda --quick --models mlp,cnn,gpt
+# 4. the CPU's stand-in for a launch-bound step on this host, beside the GPU's figures above:
+# what calibrates it for the sessions without a GPU (benchmarks/README.md, watch)
+part standin 50 python3 benchmarks/bench_watch.py --launch-bound --quick --models mlp,cnn,gpt \
+    --variants plain2,empty_mode,watch
 echo "gpu_session: done $(date -u +%T); files in $OUT"

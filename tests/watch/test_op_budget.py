@@ -189,3 +189,18 @@ def test_on_a_device_an_op_outside_modules_costs_a_few_of_mldebugs_python_calls(
     finally:
         core.simulate_device(False)
     assert 2 <= mul <= 6.5 and 6 <= loss <= 16, (mul, loss)
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt"])
+def test_the_launch_bound_stand_in_is_the_same_step_with_tiny_tensors(name, monkeypatch):
+    """`bench_watch.py --launch-bound` times the benchmark models with tiny shapes on the
+    CPU, where a step's time is its host work, as on a launch-bound GPU step: it stands
+    in for them only if it runs the same step, op for op, plain and watched on the device
+    path (the figures in benchmarks/README.md, watch, lean on that)."""
+    full = counts(name, watched=False), counts(name, watched=True, on_a_device=True)
+    monkeypatch.setattr(bench_watch, "TINY", [True])
+    tiny = counts(name, watched=False), counts(name, watched=True, on_a_device=True)
+    assert tiny[0] == full[0], (name, full, tiny)
+    # (watched, the ledger reduces what it holds every 64 MiB too, which the full-size
+    # temporaries reach sooner: a few more `_foreach_norm`s there; the one read is the same)
+    assert tiny[1][1] == full[1][1] and 0 <= full[1][0] - tiny[1][0] <= 3, (name, full, tiny)
