@@ -153,6 +153,12 @@ class MLCommands(MLCommandSet):
                          f"{os.path.basename(stop.pause_file)}, over its globals; "
                          f"{_EXACT_HINT}`why` explains, `inspect NAME` shows a tensor, "
                          "`c` continues)")
+        elif frame is not None and frame.f_code.co_name == _frames.END_OF_TEST:
+            # a device's last read, after the test function returned (pytest --mldebug)
+            self.message(f"  (found at the test's end: paused at its last line, "
+                         f"{os.path.basename(stop.pause_file)}:{stop.pause_line}, over its "
+                         f"locals; {_EXACT_HINT}`why` explains, `inspect NAME` shows a "
+                         "tensor, `c` continues)")
         elif stop.pause_file:
             later = stop.violation is not None and stop.violation.read_later
             self.message(f"  (paused at {os.path.basename(stop.pause_file)}:{stop.pause_line}"
@@ -223,8 +229,9 @@ class MLCommands(MLCommandSet):
         self.set_step()
 
     def stop_here(self, frame):
-        if frame.f_code.co_name == _frames.END_OF_PROGRAM:
-            return False      # the CLI's last reads (cli.py): stepping ends the program
+        if frame.f_code.co_name in (_frames.END_OF_PROGRAM, _frames.END_OF_TEST):
+            return False      # the last reads of the CLI (cli.py) or of a test function
+                              # (pytest --mldebug): stepping goes on past them
         if self._interrupt_pending:
             return _interrupt.can_pause_at(frame, self.program_code)
         return super().stop_here(frame)

@@ -40,6 +40,9 @@ _LIBRARY_DIRS = _library_dirs()
 # co_name of the frame the CLI judges a watch's last pending reads in: a line past the end
 # of the program's file, over its globals (cli.py), so a stop found there shows its names
 END_OF_PROGRAM = "<end of program>"
+# ... and of the frame `pytest --mldebug` judges them in when a test function has returned:
+# at its last line, over its locals (integrations/_pytest_session.py)
+END_OF_TEST = "<end of test>"
 _is_user_cache: dict[str, bool] = {}
 
 

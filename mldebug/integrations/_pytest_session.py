@@ -23,18 +23,6 @@ class MLDebugPytest:
         mine.pauser = self._fail if self.report else self._prompt
         self.wiring.start(None)
 
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_call(self, item):
-        result = yield
-        # on a GPU the watch judges what it holds at its next read (a training step's,
-        # a model call's end): one still pending when the test's function returns is
-        # read now, so that its stop fails this test, not a later one or none
-        from ..watch import active_watch
-        watch = active_watch()
-        if watch is not None:
-            watch.flush()
-        return result
-
     def pytest_sessionfinish(self, session, exitstatus):
         self.wiring.close()
 

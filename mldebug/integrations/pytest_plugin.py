@@ -39,8 +39,11 @@ def pytest_configure(config):
         return
     # (here, not at the top: a pytest run that does not ask for mldebug loads no torch)
     from ._pytest_session import MLDebugPytest
+    from ._pytest_test_end import ReadAtTestEnd
 
     config.pluginmanager.register(MLDebugPytest(config, report), "mldebug-session")
+    # on a GPU the watch judges what it holds at its next read: each test's end is one
+    config.pluginmanager.register(ReadAtTestEnd(), "mldebug-test-end")
 
 
 def _free_the_cli_prompt(config) -> None:
@@ -49,7 +52,12 @@ def _free_the_cli_prompt(config) -> None:
     # only if mldebug is loaded already (the CLI): a plain pytest run imports nothing
     session_module = sys.modules.get("mldebug.core.session")
     session = session_module.current_if_any() if session_module is not None else None
-    if session is None or session.pauser is None or session.batch:
+    if session is None or session.pauser is None:
+        return
+    from ._pytest_test_end import ReadAtTestEnd
+    # (the CLI's watch on a GPU: each test's end is a read, over the test's names)
+    config.pluginmanager.register(ReadAtTestEnd(), "mldebug-test-end")
+    if session.batch:
         return
     pauser = session.pauser
 

@@ -90,6 +90,39 @@ def test_the_prompt_opens_through_pytests_capture(write_program):
     assert "3 passed" in out                               # `c`: the test goes on
 
 
+def test_on_a_device_a_stop_found_at_the_tests_end_opens_over_its_names(write_program):
+    # a GPU's watch judges the test's NaN (outside model calls, no read after it) only
+    # once the test function has returned: the prompt opens at its last line, where
+    # `p x` reads the test's own names, not in mldebug's frame
+    tests = write_program(USER_TESTS, "test_user_model.py")
+    (tests.parent / "conftest.py").write_text(
+        "from mldebug.watch import core\n"
+        "core.simulate_device(True)      # the device (GPU) path, taken by CPU tensors\n")
+    result = _pytest(tests, "--mldebug", stdin="p x\nwhy\nc\n")
+    out = result.stdout
+    last = marker_line(tests) + 1                          # `assert y.shape == (2,)`
+    assert f"> {tests}({last})<end of test>()" in out, out + result.stderr
+    assert "(found at the test's end: paused at its last line" in out
+    assert "tensor([ 1., -1.])" in out                     # `p x`: the test's x
+    assert "root cause: this op made the non-finite value from finite inputs" in out
+    assert "NameError" not in out
+    assert "3 passed" in out                               # `c`: the tests go on
+
+
+def test_under_the_cli_on_a_device_each_tests_end_is_a_read(write_program):
+    """`python -m mldebug -m pytest` on a GPU: the test's NaN is found as the test ends,
+    over its names, not after the whole run in mldebug's frame."""
+    tests = write_program(USER_TESTS, "test_user_model.py")
+    result = subprocess.run([sys.executable, "-m", "mldebug", "-m", "pytest", "-q", "-p",
+                             "no:cacheprovider", str(tests)], input="p x\nc\n",
+                            capture_output=True, text=True, cwd=tests.parent,
+                            env={**clean_env(), "MLDEBUG_SIMULATE_DEVICE": "1"}, timeout=300)
+    out = result.stdout
+    assert f"> {tests}({marker_line(tests) + 1})<end of test>()" in out, out + result.stderr
+    assert "tensor([ 1., -1.])" in out and "NameError" not in out
+    assert out.index("<end of test>") < out.index("3 passed")   # found as that test ended
+
+
 def test_without_its_options_the_plugin_does_nothing(write_program):
     tests = write_program(USER_TESTS, "test_user_model.py")
     result = _pytest(tests)
