@@ -292,8 +292,7 @@ def _flush_watches(started, program: "Program", globals_: dict, debugger) -> Non
     if not pending:
         return
     lines = len(linecache.getlines(program.filename))
-    code = compile("\n" * lines + "__mldebug_flush__()\n", program.filename, "exec")
-    code = code.replace(co_name=_frames.END_OF_PROGRAM)
+    code = _frames.flush_call_at(program.filename, lines + 1, _frames.END_OF_PROGRAM)
     if debugger is not None:
         debugger.program_code = code      # the stack shown starts there (`where`, `up`)
 

@@ -41,7 +41,7 @@ _LIBRARY_DIRS = _library_dirs()
 # of the program's file, over its globals (cli.py), so a stop found there shows its names
 END_OF_PROGRAM = "<end of program>"
 # ... and of the frame `pytest --mldebug` judges them in when a test function has returned:
-# at its last line, over its locals (integrations/_pytest_session.py)
+# at its last line, over its locals (integrations/_pytest_test_end.py)
 END_OF_TEST = "<end of test>"
 _is_user_cache: dict[str, bool] = {}
 
@@ -97,3 +97,12 @@ def location(frame: FrameType | None) -> tuple[str, int, str]:
     if frame is None:
         return "", 0, ""
     return os.path.abspath(frame.f_code.co_filename), frame.f_lineno, frame.f_code.co_name
+
+
+def flush_call_at(filename: str, line: int, name: str):
+    """Code that calls `__mldebug_flush__()` at LINE of FILENAME, named NAME: exec'd over
+    a user's names (with `__mldebug_flush__` among its locals), the watch's last read runs
+    in a frame that shows as that user file's, so a stop found there opens over those
+    names (END_OF_PROGRAM, END_OF_TEST)."""
+    code = compile("\n" * (max(line, 1) - 1) + "__mldebug_flush__()\n", filename, "exec")
+    return code.replace(co_name=name)

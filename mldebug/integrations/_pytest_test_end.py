@@ -79,7 +79,6 @@ def read_at_the_end(watch, frame) -> None:
     if frame is None or not _frames.is_user_file(frame.f_code.co_filename):
         watch.flush()
         return
-    line = max(frame.f_lineno or 1, 1)
-    code = compile("\n" * (line - 1) + "__mldebug_flush__()\n", frame.f_code.co_filename,
-                   "exec").replace(co_name=_frames.END_OF_TEST)
+    code = _frames.flush_call_at(frame.f_code.co_filename, frame.f_lineno or 1,
+                                 _frames.END_OF_TEST)
     exec(code, frame.f_globals, {**frame.f_locals, "__mldebug_flush__": watch.flush})
