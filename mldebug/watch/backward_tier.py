@@ -67,6 +67,8 @@ class BackwardTier:
                     targets.append((call, pos, call.used[pos]))
         if not targets:
             return proceed(tensors, grad_tensors, *args, **kwargs)   # exact all through
+        if t.judged_grads:
+            self._forget_reset_grads()
         if self._ledger.backwards:
             # one backward's judge waits for the step's read at a time (it keeps its
             # gradients): a second backward before the step (gradient accumulation)
@@ -131,13 +133,29 @@ class BackwardTier:
             judge(None)
         return result
 
+    def _forget_reset_grads(self):
+        """Before a backward: a parameter whose non-finite gradient was judged is no
+        longer judged once its gradient was reset (`zero_grad()`: None, or zeros), so a
+        NaN/Inf this backward makes there again is new, not one accumulated into the old
+        (the output gradient of a layer in RootCall.shown has no check of its own to
+        say so). A read each only for gradients kept since as zeros: rare."""
+        t = self._t
+        kept = {}
+        with self._own_ops():
+            for key, p in t.judged_grads.items():
+                g = p.grad
+                if g is not None and _tiers.any_nonfinite_sum([g]):
+                    kept[key] = p
+        t.judged_grads = kept
+
     def _gradient_checks(self, calls, checked_only):
         """Right after the real backward: the gradients on the CPU checked now, those on
         a device held by the ledger for the judge of this backward."""
         t = self._t
         leaves = []
         for call in calls:
-            leaves.extend(_tiers.grad_inputs(call.module, call.args, checked_only))
+            leaves.extend(_tiers.grad_inputs(call.module, call.args, checked_only,
+                                             call.shown))
         checks = _GradientChecks()
         checks.loss_bflag, t.loss_bflag = t.loss_bflag, None
         checks.bflag, t.bflag = t.bflag, None
@@ -244,7 +262,8 @@ class BackwardTier:
         t = self._t
         bad = []
         for p in {id(p): p for call in calls
-                  for p in _tiers.grad_inputs(call.module, call.args)}.values():
+                  for p in _tiers.grad_inputs(call.module, call.args, shown=call.shown)
+                  }.values():
             if p.grad is not None and _floating(p.grad):
                 c = _counts(p.grad)
                 if sum(c):
@@ -252,7 +271,7 @@ class BackwardTier:
         if not bad and bflag is None:
             return None              # a sum that overflowed
         new = [b for b in bad if id(b[0]) not in t.judged_grads]
-        t.judged_grads = {id(p) for p, _ in bad}
+        t.judged_grads = {id(p): p for p, _ in bad}
         if not new and bflag is None:
             return None              # already judged (accumulating into a bad .grad)
         return bad, new, bflag
@@ -267,7 +286,7 @@ class BackwardTier:
                 if call.grads:
                     reason = self._replay(call.module, call.args, call.kwargs,
                                           (call.cpu_rng, call.cuda_rng), call.autocast,
-                                          call.grads)
+                                          call.grads, shown=call.shown)
                     if reason:
                         reasons.append(reason)
                     if len(self.violations) > n0:

@@ -342,6 +342,8 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
                 t.flag = None
                 t.done = False
                 t.last_out = None
+                t.shown = []
+                t.shown_ok = _safe.grads_local()
                 t.popped = _tiers.pop_if_top(self._mode)
                 if t.popped:
                     if self._ledger._held:
@@ -351,6 +353,11 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
         elif t.popped and not t.replaying:
             plan = top[3] if len(top) > 3 else None
             code = plan.get(id(module), 0) if plan else 0
+            if not code & _safe.NO_GRAD_CHECK and t.shown_ok \
+                    and _safe.params_show_grad(module):
+                # its output's gradient is checked in its parameters' gradients
+                code |= _safe.PARAMS_SHOW_GRAD
+                t.shown.append(module)
             # the RNG as this call starts: a replay of just this call draws the same
             # (one whose output its Sequential leaves to the next child is never replayed
             # alone: its flag is the next child's, which defers to the Sequential)

@@ -25,6 +25,10 @@ from .native_check import nonfinite as _native_nonfinite
 from .step_ledger import counts_of
 
 _HOST_READS = True      # False while tests run the device paths on the CPU
+# in place of a gradient sentinel: the output's gradient is checked in its module's
+# parameter gradients after backward (safe.params_show_grad; a parent returning the
+# output passes it on, an outermost call puts a sentinel of its own there)
+_BY_PARAMS = "checked in its module's parameter gradients"
 
 
 class ModuleTier:
@@ -38,19 +42,18 @@ class ModuleTier:
         code = record[4] if len(record) > 4 else 0
         for out in outs:
             if out is t.last_out:   # a parent returning its child's output
-                sentinels.append(t.last_sentinels[-1] if t.last_sentinels else None)
+                shared = t.last_sentinels[-1] if t.last_sentinels else None
+                if shared is _BY_PARAMS and record[1] is None:
+                    # an outermost call's output gradient is kept for a replay: its own
+                    shared = self._grad_sentinel(out, record, 0)
+                sentinels.append(shared)
                 continue
             sentinels.append(None)
             sum_dtype = _SUM_DTYPE.get(out.dtype, 0)
             if sum_dtype == 0 or not _checkable(out):
                 continue
             if out.requires_grad and not code & _safe.NO_GRAD_CHECK and _grad_enabled():
-                # the gradient of this output, checked when the real backward runs: a
-                # pre-hook on its autograd node (cheaper to register than a tensor hook)
-                node = out.grad_fn
-                if node is not None:
-                    sentinels[-1] = _GradSentinel(self, record, out.output_nr)
-                    node.register_prehook(sentinels[-1])
+                sentinels[-1] = self._grad_sentinel(out, record, code)
             if code & _safe.NO_FORWARD_CHECK:
                 continue            # the next child in its Sequential shows it
             if out.is_cpu and _HOST_READS:
@@ -68,6 +71,19 @@ class ModuleTier:
         if outs:
             t.last_out = outs[-1]
             t.last_sentinels = sentinels
+
+    def _grad_sentinel(self, out, record, code):
+        """The gradient of OUT (needs one), checked when the real backward runs: a
+        pre-hook on its autograd node (cheaper to register than a tensor hook); or
+        _BY_PARAMS when its module's parameter gradients show it (CODE)."""
+        if code & _safe.PARAMS_SHOW_GRAD:
+            return _BY_PARAMS
+        node = out.grad_fn
+        if node is None:
+            return None
+        sentinel = _GradSentinel(self, record, out.output_nr)
+        node.register_prehook(sentinel)
+        return sentinel
 
     def _sentinel_flag(self, out, record):
         with self._own_ops():
@@ -133,6 +149,7 @@ class ModuleTier:
         flag, t.flag = t.flag, None
         rng, t.start_rng = t.start_rng, None
         sentinels, t.last_sentinels = t.last_sentinels, []
+        shown, t.shown = t.shown, []
         t.last_out = None
         if output is None or rng is None:
             return                    # the call raised
@@ -155,6 +172,7 @@ class ModuleTier:
         call.lineage = t.done
         if len(sentinels) == len(outs):
             call.sentinels = sentinels
+        call.shown = shown
         t.calls.append(call)
         for pos, o in enumerate(outs):
             if o.requires_grad:
@@ -228,9 +246,11 @@ class ModuleTier:
                     if hit is not None and hit[0].outs[hit[1]]() is x:
                         hit[0].use(hit[1], x)
 
-    def _replay(self, module, args, kwargs, rng, autocast, grads=None, record=None) -> str:
+    def _replay(self, module, args, kwargs, rng, autocast, grads=None, record=None,
+                shown=()) -> str:
         """Run the call again under the exact mode (and its backward from GRADS, the
-        gradients of its outputs by position); '' or why it could not run."""
+        gradients of its outputs by position, to its parameters, its leaf arguments and
+        those of SHOWN, RootCall.shown); '' or why it could not run."""
         t = self._t
         t.replaying += 1
         t.read_now += 1
@@ -255,7 +275,7 @@ class ModuleTier:
                     flat = flat_tensors(out)
                     pairs = [(flat[pos], g) for pos, g in grads.items()
                              if pos < len(flat) and g is not None and flat[pos].requires_grad]
-                    inputs = _tiers.grad_inputs(module, args)
+                    inputs = _tiers.grad_inputs(module, args, shown=shown)
                     if pairs and inputs:
                         torch.autograd.grad([o for o, _ in pairs], inputs,
                                             [g for _, g in pairs], allow_unused=True)

@@ -5,15 +5,21 @@
 - Inside an exact nn.Sequential of torch.nn layers, where no user code runs: sentinels
   whose job the next child does (`sequential_plan`), and parameter gradients that follow
   from checked ones (`params_to_check`).
+- The gradient of a torch.nn layer's output, where the layer's own parameter gradients
+  show any NaN/Inf in it (`params_show_grad`): they are checked after backward.
 
-In each case only a float overflow could make a NaN/Inf where nothing looks; the tiers
-still see it later (the model output's gradient, the optimizer step's check), and say so.
+In the first two cases only a float overflow could make a NaN/Inf where nothing looks;
+the tiers still see it later (the model output's gradient, the optimizer step's check),
+and say so. In the third nothing is left unseen: it is seen one check later.
 """
 from __future__ import annotations
 
 import weakref
 
+import torch
+import torch.distributed
 import torch.nn as nn
+import torch.nn.modules.module as _module_mod
 
 # Backward nodes that make finite gradients from finite gradients and finite saved
 # values (short of a float overflow): a loss region made only of these needs no dry run.
@@ -125,6 +131,50 @@ def _consumer_code(child) -> int:
     if kind in _PROPAGATES or (kind in _CONVS and all(s == 1 for s in child.stride)):
         code |= NO_FORWARD_CHECK
     return code
+
+
+# torch.nn layers whose parameters' gradients show any NaN/Inf of their output's gradient:
+# each value of that gradient enters a sum of products that makes a weight's or a bias's
+# gradient (a Linear's g^T x and sum(g), a convolution's, a norm's affine terms, the rows
+# of an embedding), and a NaN or an Inf there leaves a NaN or an Inf (inf * 0 is a NaN).
+# Where those parameter gradients are checked after backward, the output's gradient needs
+# no pre-hook of its own (`params_show_grad`). Not here: a transposed convolution (an
+# output position that no input reaches adds only to the bias), and an embedding with a
+# padding_idx (that row's gradient is dropped) or a sparse one (its gradient is not read).
+_GRAD_SHOWN_BY_PARAMS = {nn.Linear, nn.Bilinear, nn.Conv1d, nn.Conv2d, nn.Conv3d,
+                         nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d,
+                         nn.BatchNorm3d, nn.Embedding}
+PARAMS_SHOW_GRAD = 4    # this output's gradient shows in its module's parameter gradients
+
+
+def params_show_grad(module) -> bool:
+    """Whether MODULE's parameter gradients (computed by this process, checked after
+    backward) show any NaN/Inf of its output's gradient: a layer of _GRAD_SHOWN_BY_PARAMS
+    with a plain parameter that needs a gradient, and no hook of its own (a backward hook
+    may change the gradient it is given). Runs for each such call at every step."""
+    kind = type(module)
+    if kind not in _GRAD_SHOWN_BY_PARAMS or _has_hooks(module):
+        return False
+    if kind is nn.Embedding and (module.padding_idx is not None or module.sparse):
+        return False
+    for p in module._parameters.values():
+        # (a tensor subclass, a DTensor's shard, is not the gradient this call made)
+        if p is not None and type(p) is nn.Parameter and p.requires_grad:
+            return True
+    return False
+
+
+def grads_local() -> bool:
+    """Whether a parameter's gradient after backward is what this process's backward made:
+    not while a global module backward hook may change gradients, nor across ranks (DDP
+    averages them, FSDP keeps a shard). Asked once per outermost call."""
+    if _module_mod._global_backward_hooks or _module_mod._global_backward_pre_hooks:
+        return False
+    return not (_DIST and torch.distributed.is_initialized()
+                and torch.distributed.get_world_size() > 1)
+
+
+_DIST = torch.distributed.is_available()
 
 
 _SEQUENTIAL_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -29,6 +29,10 @@ on for the whole step and stay under the speed targets. Instead:
   Sequential are not summed (they follow from its output's checked gradient). What only
   an overflow in those layers' backward makes is then seen at the optimizer step
   (safe.py: `sequential_plan`, `params_to_check`).
+- A torch.nn layer whose parameters need a gradient (Linear, convolutions, norms,
+  embeddings) gets no gradient sentinel: every value of its output's gradient enters
+  those parameters' gradients, checked after backward (safe.params_show_grad; the
+  modules are kept in RootCall.shown, also when the model does not own them).
 - The optimizer step runs without the mode: every parameter and state tensor gets one
   sum afterwards.
 - Everything else outside modules and outside backward (data handling, the loss) keeps
@@ -96,7 +100,7 @@ class RootCall:
     """An outermost module call whose output needs a gradient: what a replay needs."""
 
     __slots__ = ("module", "args", "kwargs", "cpu_rng", "cuda_rng", "autocast", "outs",
-                 "grads", "used", "sentinels", "lineage", "__weakref__")
+                 "grads", "used", "sentinels", "shown", "lineage", "__weakref__")
 
     def __init__(self, module, args, kwargs, rng, autocast, outs):
         self.module = module
@@ -109,6 +113,8 @@ class RootCall:
         self.grads: dict = {}      # position -> gradient of that output (dry run)
         self.used: dict = {}       # position read by ops outside modules -> its edge
         self.sentinels: list = []  # position -> _GradSentinel on its autograd node, or None
+        self.shown: list = []      # modules inside whose output gradients are checked in
+                                   # their parameters' gradients (safe.params_show_grad)
         self.lineage = False       # a stop was made in this call: its outputs descend
 
     def use(self, pos, tensor) -> None:
@@ -226,13 +232,16 @@ class TierState:
         self.calls: list = []        # RootCall, oldest first
         self.open: dict = {}         # id(output tensor) -> (RootCall, position)
         self.fruitless: dict = {}    # flag pattern -> True: its replay found no stop
-        self.judged_grads: set = set()   # id(param) whose non-finite grad was judged
+        self.judged_grads: dict = {}     # id(param) -> param whose non-finite grad was
+                                         # judged (until it is reset)
         self.bflag = None            # (module record, counts): first bad output gradient
         self.device_grad_slots: list = []  # (ledger slot, record) of output gradients
         self.opt_popped = False      # the optimizer step runs without the exact mode
         self.replay_lineage = False  # the last re-run's outputs descend from a stop
         self.recomputing: list = []  # modules whose forward runs again inside backward
                                      # (torch.utils.checkpoint's recomputation)
+        self.shown: list = []        # the running outermost call's RootCall.shown
+        self.shown_ok = False        # its parameter gradients are this process's own
 
 
 def mode_on_top(mode) -> bool:
@@ -356,16 +365,23 @@ def device_total(xs):
     return torch.stack([x.sum(dtype=_F32) for x in xs]).sum()
 
 
-def grad_inputs(module, args, checked_only=False) -> list:
+def grad_inputs(module, args, checked_only=False, shown=()) -> list:
     """What a replayed backward differentiates with respect to: the module's parameters
     and the leaf tensors among its arguments that need a gradient. CHECKED_ONLY: those
-    whose gradient needs a check after backward (safe.params_to_check)."""
+    whose gradient needs a check after backward (safe.params_to_check). SHOWN: modules
+    called inside whose parameters' gradients stand for their outputs' (RootCall.shown),
+    also when they are not the module's own (`model(x)` calling a layer kept elsewhere)."""
     seen = set()
     inputs = []
     for p in (_safe.params_to_check(module) if checked_only else module.parameters()):
         if p.requires_grad and id(p) not in seen:
             seen.add(id(p))
             inputs.append(p)
+    for m in shown:
+        for p in m._parameters.values():
+            if p is not None and p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                inputs.append(p)
     for t in flat_tensors(args):
         if t.requires_grad and t.is_leaf and id(t) not in seen:
             seen.add(id(t))

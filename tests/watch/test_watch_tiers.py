@@ -475,6 +475,87 @@ def test_an_overflow_in_the_backward_of_plain_layers_is_caught_at_the_step(devic
     assert [(v.stage, v.created, v.kind) for v in got] == [("backward", True, "inf")]
 
 
+class SqrtOfLayer(nn.Module):
+    """A Linear at zero, then the user's sqrt of its output: the sqrt's backward is
+    infinite at 0, and that gradient goes only into the layer (its output's gradient,
+    then its weight's and bias's). OWNED: the layer is a child; else the model only keeps
+    it in a list, so `model.parameters()` does not list its parameters."""
+
+    def __init__(self, device, owned=True):
+        super().__init__()
+        layer = nn.Linear(4, 4).to(device)
+        with torch.no_grad():
+            layer.weight.zero_()
+            layer.bias.zero_()
+        if owned:
+            self.layer = layer
+        else:
+            self.kept = [layer]
+
+    def forward(self, x):
+        layer = self.layer if "layer" in self._modules else self.kept[0]
+        return torch.sqrt(layer(x))  # here
+
+
+def test_a_layers_output_gradient_is_checked_in_its_parameters_gradients(monkeypatch, device):
+    """Each value of a Linear's output gradient enters its weight's and bias's gradients
+    (g^T x, sum(g)), so a NaN/Inf there leaves one there: the watch puts no pre-hook on
+    such a layer's output and checks those parameter gradients after backward instead --
+    also for a layer the model calls but does not own. The stop is the exact check's."""
+    from mldebug.watch import module_tier
+    hooked = []
+
+    class Counted(module_tier._GradSentinel):
+        __slots__ = ()
+
+        def __init__(self, watch, record, index):
+            super().__init__(watch, record, index)
+            hooked.append(record[0])
+
+    monkeypatch.setattr(module_tier, "_GradSentinel", Counted)
+    x = torch.randn(2, 4, device=device)
+    for owned in (True, False):
+        stops = {}
+        for exact in (False, True):
+            torch.manual_seed(0)
+            model = SqrtOfLayer(device, owned)
+            hooked.clear()
+            got, w = collect(exact=exact)
+            with w:
+                model(x).sum().backward()
+            stops[exact] = [(v.stage, v.kind, v.node, v.torch_op, v.line) for v in got]
+            if not exact:   # only the model's output has a pre-hook (kept for a replay)
+                assert hooked == [model], (owned, hooked)
+        assert stops[False] == stops[True] == [
+            ("backward", "inf", "SqrtBackward0", "torch.sqrt", lineno(SqrtOfLayer.forward))
+        ], owned
+
+
+def test_which_layers_leave_their_output_gradient_to_their_parameters():
+    """Not a layer whose parameters get no gradient (frozen, none), one with a hook that
+    may change its gradients, an embedding that drops a row's gradient (padding_idx), a
+    transposed convolution (an output no input reaches adds only to the bias), a layer
+    without parameters; and not under DDP/FSDP (safe.grads_local), where the gradients
+    after backward are averaged or sharded."""
+    from mldebug.watch.safe import grads_local, params_show_grad
+    assert all(params_show_grad(m) for m in (
+        nn.Linear(2, 2), nn.Conv2d(1, 1, 3), nn.LayerNorm(2), nn.BatchNorm1d(2),
+        nn.Embedding(3, 2), nn.Linear(2, 2, bias=False)))
+    hooked = nn.Linear(2, 2)
+    hooked.register_full_backward_hook(lambda m, gi, go: None)
+    assert not any(params_show_grad(m) for m in (
+        nn.Linear(2, 2).requires_grad_(False), hooked, nn.LayerNorm(2, elementwise_affine=False),
+        nn.Embedding(3, 2, padding_idx=0), nn.ConvTranspose2d(1, 1, 3), nn.ReLU(),
+        nn.Sequential(nn.Linear(2, 2))))
+    assert grads_local()
+    handle = nn.modules.module.register_module_full_backward_hook(lambda m, gi, go: None)
+    try:
+        assert not grads_local()
+    finally:
+        handle.remove()
+    assert grads_local()
+
+
 def test_a_mask_and_its_softmax_outside_modules_are_not_stops(device):
     """-inf made from a constant, then carried by temporaries: on a device the window is
     read after they are freed; what they held is taken to come from the judged mask."""
