@@ -182,6 +182,27 @@ class Plain:
         return False
 
 
+class WatchEveryGradHook:
+    """The watch as it was before 2026-11-28: a pre-hook on the gradient of every module
+    output, also where the layer's parameter gradients show it (safe.params_show_grad
+    off): what leaving those to the parameter gradients saves, side by side (opt-in:
+    `--variants watch,watch_every_grad_hook`)."""
+
+    def __enter__(self):
+        from mldebug.watch import safe
+        self._real, safe.params_show_grad = safe.params_show_grad, lambda module: False
+        self._watch = mldebug.watch(action="raise")
+        self._watch.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        from mldebug.watch import safe
+        try:
+            return self._watch.__exit__(*exc)
+        finally:
+            safe.params_show_grad = self._real
+
+
 def variants():
     return {
         "plain": Plain,
@@ -191,6 +212,7 @@ def variants():
         "watch_exact": lambda: mldebug.watch(action="raise", exact=True),
         "detect_anomaly": lambda: torch.autograd.detect_anomaly(check_nan=True),
         "naive_isfinite": NaiveIsfinite,
+        "watch_every_grad_hook": WatchEveryGradHook,
     }
 
 

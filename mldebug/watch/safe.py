@@ -144,6 +144,11 @@ def _consumer_code(child) -> int:
 _GRAD_SHOWN_BY_PARAMS = {nn.Linear, nn.Bilinear, nn.Conv1d, nn.Conv2d, nn.Conv3d,
                          nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d,
                          nn.BatchNorm3d, nn.Embedding}
+# the same by name, for layers of other libraries (not imported here): Hugging Face's
+# Conv1D (GPT-2 and its kin) is a Linear written as addmm(bias, x, weight)
+_GRAD_SHOWN_BY_NAME = {("transformers.pytorch_utils", "Conv1D")}
+_KIND_SHOWN: dict = {}  # type -> whether it is one of those (exact type: a subclass may
+                        # override forward)
 PARAMS_SHOW_GRAD = 4    # this output's gradient shows in its module's parameter gradients
 
 
@@ -153,7 +158,11 @@ def params_show_grad(module) -> bool:
     with a plain parameter that needs a gradient, and no hook of its own (a backward hook
     may change the gradient it is given). Runs for each such call at every step."""
     kind = type(module)
-    if kind not in _GRAD_SHOWN_BY_PARAMS or _has_hooks(module):
+    shown = _KIND_SHOWN.get(kind)
+    if shown is None:
+        shown = _KIND_SHOWN[kind] = kind in _GRAD_SHOWN_BY_PARAMS or (
+            kind.__module__, kind.__qualname__) in _GRAD_SHOWN_BY_NAME
+    if not shown or _has_hooks(module):
         return False
     if kind is nn.Embedding and (module.padding_idx is not None or module.sparse):
         return False

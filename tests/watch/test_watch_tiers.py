@@ -479,11 +479,12 @@ class SqrtOfLayer(nn.Module):
     """A Linear at zero, then the user's sqrt of its output: the sqrt's backward is
     infinite at 0, and that gradient goes only into the layer (its output's gradient,
     then its weight's and bias's). OWNED: the layer is a child; else the model only keeps
-    it in a list, so `model.parameters()` does not list its parameters."""
+    it in a list, so `model.parameters()` does not list its parameters. KIND: the
+    layer's class (GPT-2's Conv1D is a Linear too)."""
 
-    def __init__(self, device, owned=True):
+    def __init__(self, device, owned=True, kind=nn.Linear):
         super().__init__()
-        layer = nn.Linear(4, 4).to(device)
+        layer = kind(4, 4).to(device)
         with torch.no_grad():
             layer.weight.zero_()
             layer.bias.zero_()
@@ -513,12 +514,13 @@ def test_a_layers_output_gradient_is_checked_in_its_parameters_gradients(monkeyp
             hooked.append(record[0])
 
     monkeypatch.setattr(module_tier, "_GradSentinel", Counted)
+    from transformers.pytorch_utils import Conv1D
     x = torch.randn(2, 4, device=device)
-    for owned in (True, False):
+    for owned, kind in ((True, nn.Linear), (False, nn.Linear), (True, Conv1D)):
         stops = {}
         for exact in (False, True):
             torch.manual_seed(0)
-            model = SqrtOfLayer(device, owned)
+            model = SqrtOfLayer(device, owned, kind)
             hooked.clear()
             got, w = collect(exact=exact)
             with w:
@@ -541,6 +543,8 @@ def test_which_layers_leave_their_output_gradient_to_their_parameters():
     assert all(params_show_grad(m) for m in (
         nn.Linear(2, 2), nn.Conv2d(1, 1, 3), nn.LayerNorm(2), nn.BatchNorm1d(2),
         nn.Embedding(3, 2), nn.Linear(2, 2, bias=False)))
+    from transformers.pytorch_utils import Conv1D     # GPT-2's Linear: addmm(b, x, W)
+    assert params_show_grad(Conv1D(3, 2))
     hooked = nn.Linear(2, 2)
     hooked.register_full_backward_hook(lambda m, gi, go: None)
     assert not any(params_show_grad(m) for m in (
