@@ -342,7 +342,7 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
                 t.flag = None
                 t.done = False
                 t.last_out = None
-                t.shown = []
+                t.shown = {}
                 t.shown_ok = _safe.grads_local()
                 t.popped = _tiers.pop_if_top(self._mode)
                 if t.popped:
@@ -357,7 +357,7 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
                     and _safe.params_show_grad(module):
                 # its output's gradient is checked in its parameters' gradients
                 code |= _safe.PARAMS_SHOW_GRAD
-                t.shown.append(module)
+                t.shown[id(module)] = module   # (once, however often it is called)
             # the RNG as this call starts: a replay of just this call draws the same
             # (one whose output its Sequential leaves to the next child is never replayed
             # alone: its flag is the next child's, which defers to the Sequential)

@@ -45,7 +45,7 @@ class ModuleTier:
                 shared = t.last_sentinels[-1] if t.last_sentinels else None
                 if shared is _BY_PARAMS and record[1] is None:
                     # an outermost call's output gradient is kept for a replay: its own
-                    shared = self._grad_sentinel(out, record, 0)
+                    shared = self._grad_sentinel(out, record)
                 sentinels.append(shared)
                 continue
             sentinels.append(None)
@@ -53,7 +53,10 @@ class ModuleTier:
             if sum_dtype == 0 or not _checkable(out):
                 continue
             if out.requires_grad and not code & _safe.NO_GRAD_CHECK and _grad_enabled():
-                sentinels[-1] = self._grad_sentinel(out, record, code)
+                # (none where its module's parameter gradients show it: checked after
+                # backward)
+                sentinels[-1] = _BY_PARAMS if code & _safe.PARAMS_SHOW_GRAD \
+                    else self._grad_sentinel(out, record)
             if code & _safe.NO_FORWARD_CHECK:
                 continue            # the next child in its Sequential shows it
             if out.is_cpu and _HOST_READS:
@@ -72,12 +75,9 @@ class ModuleTier:
             t.last_out = outs[-1]
             t.last_sentinels = sentinels
 
-    def _grad_sentinel(self, out, record, code):
+    def _grad_sentinel(self, out, record):
         """The gradient of OUT (needs one), checked when the real backward runs: a
-        pre-hook on its autograd node (cheaper to register than a tensor hook); or
-        _BY_PARAMS when its module's parameter gradients show it (CODE)."""
-        if code & _safe.PARAMS_SHOW_GRAD:
-            return _BY_PARAMS
+        pre-hook on its autograd node (cheaper to register than a tensor hook)."""
         node = out.grad_fn
         if node is None:
             return None
@@ -149,7 +149,7 @@ class ModuleTier:
         flag, t.flag = t.flag, None
         rng, t.start_rng = t.start_rng, None
         sentinels, t.last_sentinels = t.last_sentinels, []
-        shown, t.shown = t.shown, []
+        shown, t.shown = t.shown, {}
         t.last_out = None
         if output is None or rng is None:
             return                    # the call raised
@@ -172,7 +172,7 @@ class ModuleTier:
         call.lineage = t.done
         if len(sentinels) == len(outs):
             call.sentinels = sentinels
-        call.shown = shown
+        call.shown = list(shown.values())
         t.calls.append(call)
         for pos, o in enumerate(outs):
             if o.requires_grad:

@@ -240,7 +240,7 @@ class TierState:
         self.replay_lineage = False  # the last re-run's outputs descend from a stop
         self.recomputing: list = []  # modules whose forward runs again inside backward
                                      # (torch.utils.checkpoint's recomputation)
-        self.shown: list = []        # the running outermost call's RootCall.shown
+        self.shown: dict = {}        # the running outermost call's RootCall.shown, by id
         self.shown_ok = False        # its parameter gradients are this process's own
 
 
