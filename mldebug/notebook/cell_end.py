@@ -74,8 +74,19 @@ class EndWithRead(ast.NodeTransformer):
     def __init__(self, shell):
         super().__init__()
         self.shell = shell
+        self.armed = False
+
+    def arm(self) -> None:
+        """IPython's pre_execute: the next tree IPython transforms is the cell's. `%timeit`
+        and `%time` transform their statements too, later, while the cell runs; ended with
+        the read, `%timeit`'s loop would make one (a device sync) every time round, and
+        time that. The cell's own end still reads."""
+        self.armed = True
 
     def visit_Module(self, node: ast.Module) -> ast.Module:
+        if not self.armed:
+            return node
+        self.armed = False
         node.body = end_with_read(node.body, getattr(self.shell, "ast_node_interactivity",
                                                      "last_expr"))
         return node

@@ -135,6 +135,7 @@ class NotebookDebug:
         if not self.on:
             events.register("pre_run_cell", self.start_cell)
             events.register("post_run_cell", self.end_cell)
+            events.register("pre_execute", self._end_with_read.arm)
             self.shell.ast_transformers.append(self._end_with_read)
             self.on = True
         self._post_mortem("exception" in args.break_on)
@@ -146,6 +147,7 @@ class NotebookDebug:
             events = self.shell.events
             events.unregister("pre_run_cell", self.start_cell)
             events.unregister("post_run_cell", self.end_cell)
+            events.unregister("pre_execute", self._end_with_read.arm)
             if self._end_with_read in self.shell.ast_transformers:
                 self.shell.ast_transformers.remove(self._end_with_read)
             self.on = False

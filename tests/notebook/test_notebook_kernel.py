@@ -227,6 +227,17 @@ print("after")
 """
 
 
+# the cells' reads counted (the wrapped call looks cell_end up in its module each time)
+COUNT_CELL_ENDS = """\
+import mldebug.notebook.cell_end as cell_end_module
+ends, real_cell_end = [], cell_end_module.cell_end
+def counted(value=None):
+    ends.append(1)
+    return real_cell_end(value)
+cell_end_module.cell_end = counted
+"""
+
+
 def test_on_a_device_a_nan_the_cell_makes_outside_models_ends_that_cell(tmp_path):
     """On a GPU (the device path, simulated in the kernel) an op outside model calls is
     judged at the next read; a cell with no training step after it used to end with the
@@ -245,9 +256,13 @@ def test_on_a_device_a_nan_the_cell_makes_outside_models_ends_that_cell(tmp_path
         "%mldebug off",                                                    # 8
         "%%mldebug --break-on nan\n" + OUTSIDE_MODELS,                     # 9 the stop
         "print(len(get_ipython().ast_transformers))",                      # 10
+        "%mldebug on --break-on nan",                                      # 11
+        COUNT_CELL_ENDS,                                                   # 12
+        "%timeit -n 5 -r 2 torch.ones(2) * 2",                             # 13
+        "print(len(ends))",                                                # 14
     ], tmp_path, MLDEBUG_SIMULATE_DEVICE="1")
     cells = nb.cells
-    for index in (0, 1, 2, 3, 5, 6, 7, 8, 10):
+    for index in (0, 1, 2, 3, 5, 6, 7, 8, 10, 11, 12, 13, 14):
         assert not errors_of(cells[index]), (index, text_of(cells[index]))
     assert text_of(cells[3]) == "tensor(2.)"
     assert text_of(cells[7]) == "tensor([2., 2., 2.])"
@@ -262,3 +277,7 @@ def test_on_a_device_a_nan_the_cell_makes_outside_models_ends_that_cell(tmp_path
     stop = last_json(cells[5])
     assert (stop["op"], stop["line"], stop["created"]) == ("aten.mul.Tensor", line, True)
     assert text_of(cells[10]).strip() == "0"
+    # %timeit's statement is not ended with the read (a sync each time round, timed):
+    # the read ends cell 12 (counted from there) and cell 13, not its 10 runs
+    assert "per loop" in text_of(cells[13]), text_of(cells[13])
+    assert text_of(cells[14]).strip() == "2", text_of(cells[14])
