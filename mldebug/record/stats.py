@@ -30,12 +30,12 @@ samples and norms to the host with ONE transfer and bins every histogram there a
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import numpy as np
 import torch
 
+from ..core.device_path import simulated_by_env
 from . import native
 from .hostbatch import HostBatch, HostPool
 from .nativebatch import NativeBatch
@@ -49,9 +49,9 @@ BATCH = 1 << 15                # CPU tensors up to this many elements: copied, r
 DEVICE_BATCH = 1 << 22         # the same on other devices (a copy costs little there),
 DEVICE_BUDGET = 1 << 25        # in blocks of at most this many values of a dtype (128 MiB
                                # of float32), reduced and refilled when full
-_HOST = [os.environ.get("MLDEBUG_SIMULATE_DEVICE") != "1"]
-                               # False: CPU tensors take the device path (simulate_device;
-                               # the variable: `pytest --device-path`, child processes too)
+_HOST = [not simulated_by_env()]
+                               # False: CPU tensors take the device path (simulate_device,
+                               # core/device_path.py)
 
 
 def simulate_device(on: bool) -> None:

@@ -34,6 +34,7 @@ from ..core.break_on import parse_break_on
 from ..core.compile import FLAG as _FLAG
 from ..core.compile import dynamo_compiling as _dynamo_compiling
 from ..core.compile import silence_global_hook_warning
+from ..core.device_path import simulated_by_env
 from ..core.errors import UsageError
 from . import backward_tier as _backward_tier
 from . import compiled as _compiled
@@ -76,9 +77,7 @@ def simulate_device(on: bool) -> None:
         _tiers._HOST_READS = not on
 
 
-if os.environ.get("MLDEBUG_SIMULATE_DEVICE") == "1":
-    # developers: CPU tensors take the device path here and in child processes (the CLI
-    # tests under `pytest --device-path`)
+if simulated_by_env():       # developers (core/device_path.py)
     simulate_device(True)
 
 _Sequential = torch.nn.Sequential
