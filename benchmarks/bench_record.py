@@ -49,7 +49,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_watch import BATCH_SCALE, MODELS, step, sync  # noqa: E402
-from opcount import count_calls, count_step  # noqa: E402
+from opcount import count_calls, count_step, settled  # noqa: E402
 
 import mldebug  # noqa: E402
 from mldebug.graph import Capture  # noqa: E402
@@ -222,8 +222,9 @@ def count_ops(name, device, run_dir, simulate_device=False):
             # record@100:off: steps 1.. of a recorder whose step 0 was recorded in warm-up;
             # record@1: a step once the first recorded steps have learned what to hold and
             # the blocks' sizes have settled (a new layout's indices are made once)
-            ops, reads = count_step(lambda: step(model, loss_fn, opt), warmup=6)
-            calls = count_calls(lambda: step(model, loss_fn, opt), warmup=1)
+            settle = settled(rec) if rec is not None else None
+            ops, reads = count_step(lambda: step(model, loss_fn, opt), warmup=6, settle=settle)
+            calls = count_calls(lambda: step(model, loss_fn, opt), warmup=1, settle=settle)
         finally:
             stats.simulate_device(False)
             if rec is not None:

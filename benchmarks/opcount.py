@@ -18,18 +18,22 @@ from __future__ import annotations
 
 import collections
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
 from torch.profiler import ProfilerActivity, profile
 
 HOST_READS = ("aten::item", "aten::_local_scalar_dense", "aten::is_nonzero")
 
 
-def count_step(step: Callable[[], None], warmup: int = 3) -> tuple[collections.Counter, int]:
+def count_step(step: Callable[[], None], warmup: int = 3,
+               settle: Optional[Callable[[], None]] = None) -> tuple[collections.Counter, int]:
     """(Counter of top-level aten ops by name, host reads) of one call of STEP, after
-    WARMUP calls (optimizer state, caches and lazy set-up are not a step's cost)."""
+    WARMUP calls (optimizer state, caches and lazy set-up are not a step's cost) and
+    SETTLE() (see `settled`)."""
     for _ in range(warmup):
         step()
+    if settle is not None:
+        settle()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
     ops = collections.Counter(
@@ -51,11 +55,21 @@ def _nested(event) -> bool:
     return False
 
 
-def count_calls(step: Callable[[], None], under: str = "", warmup: int = 3) -> int:
+def count_calls(step: Callable[[], None], under: str = "", warmup: int = 3,
+                settle: Optional[Callable[[], None]] = None) -> int:
     """Python function calls, on this thread, of code in files under the folder UNDER
-    (all of them by default), during one call of STEP after WARMUP calls: the thread that
-    launches a GPU's kernels (a writer thread's work is not counted)."""
-    return _count(step, lambda code: code.co_filename.startswith(under), warmup)
+    (all of them by default), during one call of STEP after WARMUP calls and SETTLE():
+    the thread that launches a GPU's kernels (a writer thread's work is not counted)."""
+    return _count(step, lambda code: code.co_filename.startswith(under), warmup, settle)
+
+
+def settled(recorder) -> Callable[[], None]:
+    """A `settle` for a step RECORDER records: wait until its writer thread is done with
+    the last step. A step that begins while the writer still reads the last step's blocks
+    takes a new block from the pool and makes its views (~2 ops a tensor, once): how
+    often that happens depends on the machine's load, not on the step, so a count that
+    must not depend on the machine waits."""
+    return recorder._writer.flush
 
 
 def count_runs(step: Callable[[], None], code, warmup: int = 3) -> int:
@@ -65,11 +79,14 @@ def count_runs(step: Callable[[], None], code, warmup: int = 3) -> int:
     return _count(step, lambda seen: seen is code, warmup)
 
 
-def _count(step: Callable[[], None], match: Callable, warmup: int) -> int:
+def _count(step: Callable[[], None], match: Callable, warmup: int,
+           settle: Optional[Callable[[], None]] = None) -> int:
     """Calls on this thread of functions whose code object MATCH accepts, during one call
-    of STEP after WARMUP calls."""
+    of STEP after WARMUP calls and SETTLE()."""
     for _ in range(warmup):
         step()
+    if settle is not None:
+        settle()
     calls = [0]
 
     def seen(frame, event, arg):

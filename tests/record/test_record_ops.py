@@ -21,7 +21,7 @@ from mldebug.record import stats
 from mldebug.record.tensorbatch import BlockPool, TensorBatch, per_sample_norms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from opcount import count_step  # noqa: E402
+from opcount import count_step, settled  # noqa: E402
 
 
 def mlp(layers: int) -> nn.Module:
@@ -49,7 +49,7 @@ def extra_ops(layers: int, log, tmp_path) -> int:
             if recorded else None
         stats.simulate_device(recorded)
         try:
-            ops, reads = count_step(step)
+            ops, reads = count_step(step, settle=settled(rec) if rec is not None else None)
         finally:
             stats.simulate_device(False)
             if rec is not None:
