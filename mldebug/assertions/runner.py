@@ -172,8 +172,8 @@ class Runner:
         module = sys.modules.get(getattr(fn, "__module__", None) or "")
         name = getattr(fn, "__name__", "")
         if module is None or getattr(module, name, None) is not fn:
-            warnings.warn(f"mldebug: cannot watch calls of {fn!r}: it is not reachable as "
-                          f"a module global", RuntimeWarning, stacklevel=4)
+            _frames.warn_at_user_line(f"mldebug: cannot watch calls of {fn!r}: it is not "
+                                      "reachable as a module global")
             return
         runner = self
 
@@ -490,8 +490,8 @@ class Runner:
         except Exception as exc:  # noqa: BLE001 - a broken check must not end the program
             if a.name not in self._warned:
                 self._warned.add(a.name)
-                warnings.warn(f"mldebug: assertion {a.name!r} raised {type(exc).__name__}: "
-                              f"{exc}; it is switched off", RuntimeWarning, stacklevel=2)
+                _frames.warn_at_user_line(f"mldebug: assertion {a.name!r} raised "
+                                          f"{type(exc).__name__}: {exc}; it is switched off")
             a.enabled = False
             return None
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 import bdb
 import functools
 import threading
-import warnings
 from typing import Callable
 
 import torch
 
 from .errors import MLDebugError
+from .frames import warn_at_user_line
 
 _is_initialized = torch.cuda.is_initialized
 _SAID: set = set()    # the parts that said they step aside
@@ -62,8 +62,7 @@ def step_aside(part: str, what: str) -> bool:
                 return True
             _SAID.add(part)
         try:
-            warnings.warn(f"mldebug: a CUDA graph is being captured: {what}", RuntimeWarning,
-                          stacklevel=3)
+            warn_at_user_line(f"mldebug: a CUDA graph is being captured: {what}")
         except Exception:  # noqa: BLE001 - warnings turned into errors
             pass
     return True

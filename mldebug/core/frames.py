@@ -10,6 +10,7 @@ import os
 import site
 import sys
 import sysconfig
+import warnings
 from types import FrameType
 
 # the mldebug package (this file is mldebug/core/frames.py)
@@ -106,3 +107,21 @@ def flush_call_at(filename: str, line: int, name: str):
     names (END_OF_PROGRAM, END_OF_TEST)."""
     code = compile("\n" * (max(line, 1) - 1) + "__mldebug_flush__()\n", filename, "exec")
     return code.replace(co_name=name)
+
+
+def warn_at_user_line(message: str, category: type[Warning] = RuntimeWarning) -> None:
+    """`warnings.warn`, attributed to the innermost line of the user's program on this
+    stack (the model call, `loss.backward()`, the optimizer step) rather than to the line
+    of torch's that called one of mldebug's hooks: the warning names a line the user
+    knows and shows it, and the filters and once-per-place registry are that line's, as
+    `stacklevel` would make them. With no user frame on the stack (a writer thread) the
+    caller's caller's line. Raises as `warnings.warn` does under `-W error`."""
+    frame = caller_user_frame(1)
+    if frame is None:
+        warnings.warn(message, category, stacklevel=3)
+        return
+    globals_ = frame.f_globals
+    warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
+                           module=globals_.get("__name__", "<unknown>"),
+                           registry=globals_.setdefault("__warningregistry__", {}),
+                           module_globals=globals_)

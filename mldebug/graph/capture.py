@@ -12,6 +12,7 @@ from ..core import replay as _replay
 from ..core.compile import FLAG as _FLAG
 from ..core.compile import dynamo_compiling as _dynamo_compiling
 from ..core.compile import silence_global_hook_warning
+from ..core.frames import warn_at_user_line
 from .building import TRACING, _exception_now, _Recorder, attach_graph
 from .model import Graph
 
@@ -113,9 +114,8 @@ class Capture:
         self._rec = None
         if not getattr(self, "_warned", False):
             self._warned = True
-            import warnings
-            warnings.warn(f"mldebug graph capture skipped a pass after an internal error: "
-                          f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=3)
+            warn_at_user_line(f"mldebug graph capture skipped a pass after an internal "
+                              f"error: {type(exc).__name__}: {exc}")
 
     def _post(self, module, args, output):
         if _dynamo_compiling() or _FLAG._is_compiling_flag or TRACING[0] or _replay._depth \

@@ -31,6 +31,7 @@ import torch
 from torch.optim import optimizer as _optim_hooks
 
 from ..core import cuda_graphs as _cuda_graphs
+from ..core.frames import warn_at_user_line
 from ..core.quiet import own_work
 from ..core.ranks import rank_tag, this_rank
 from ..graph import active_capture, last_graph
@@ -117,9 +118,8 @@ class History:
         except Exception as exc:  # noqa: BLE001 - the history never breaks the program
             if not self._warned:
                 self._warned = True
-                import warnings
-                warnings.warn(f"mldebug history: {type(exc).__name__}: {exc}; "
-                              "history is off for this run", RuntimeWarning, stacklevel=2)
+                warn_at_user_line(f"mldebug history: {type(exc).__name__}: {exc}; "
+                                  "history is off for this run")
             self.close()
         self._own += time.perf_counter() - t0
         return None

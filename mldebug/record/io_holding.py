@@ -12,13 +12,13 @@ changing later is left out of that step, said once, and copied when seen from th
 """
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import Optional
 
 import numpy as np
 import torch
 
+from ..core.frames import warn_at_user_line
 from . import stats as _stats
 
 
@@ -101,7 +101,7 @@ class IoHolding:
     def _say(message: str) -> None:
         """A RuntimeWarning that never raises into the program (under `-W error` too)."""
         try:
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            warn_at_user_line(message)
         except Exception:  # noqa: BLE001 - warnings turned into errors
             pass
 

@@ -378,9 +378,10 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
     def _compile_note(self, module):
         self._compile_warned = True
         inner = type(getattr(module, "_orig_mod", module)).__name__
-        warnings.warn(f"mldebug: {inner} runs under torch.compile: the watch checks its "
-                      "outputs and gradients at the compiled boundary, and pins a NaN/Inf "
-                      "inside by re-running the call", RuntimeWarning, stacklevel=4)
+        _frames.warn_at_user_line(
+            f"mldebug: {inner} runs under torch.compile: the watch checks its outputs and "
+            "gradients at the compiled boundary, and pins a NaN/Inf inside by re-running the "
+            "call")
 
     def _module_post(self, module, args, output):
         if _dynamo_compiling() or _FLAG._is_compiling_flag or self._skip \
