@@ -19,12 +19,13 @@ import os
 import platform
 import shlex
 import shutil
-import stat
 import subprocess
 import sys
 import tempfile
 
 import torch
+
+from .user_files import cache_dir, private  # noqa: F401 - the kernels' folder
 
 
 def disabled() -> bool:
@@ -89,35 +90,6 @@ def compiler() -> list:
         if path:
             return [path]
     raise OSError("no C compiler (cc, gcc or clang; or set CC)")
-
-
-def private(d: str) -> bool:
-    """Whether D is (now) a folder of this user's that no one else may write to: a library
-    found there is loaded into this process, so another user must not be able to put one
-    there (a shared /tmp)."""
-    try:
-        os.makedirs(d, mode=0o700, exist_ok=True)
-        st = os.lstat(d)
-    except OSError:
-        return False
-    return (stat.S_ISDIR(st.st_mode) and not st.st_mode & 0o022 and os.access(d, os.W_OK)
-            and (not hasattr(os, "getuid") or st.st_uid == os.getuid()))
-
-
-def cache_dir() -> str:
-    """$MLDEBUG_CACHE_DIR, else $XDG_CACHE_HOME/mldebug or ~/.cache/mldebug, else
-    /tmp/mldebug-UID: the first that is private (`private`); else a new private folder
-    for this process only (the kernels are then built again by the next one)."""
-    d = os.environ.get("MLDEBUG_CACHE_DIR")
-    if not d:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
-                                                                 ".cache")
-        d = os.path.join(base, "mldebug")
-    user = os.getuid() if hasattr(os, "getuid") else 0
-    for where in (d, os.path.join(tempfile.gettempdir(), f"mldebug-{user}")):
-        if private(where):
-            return where
-    return tempfile.mkdtemp(prefix="mldebug-")
 
 
 def load(source: str, flags: tuple) -> ctypes.CDLL:

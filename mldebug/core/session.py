@@ -16,6 +16,7 @@ import threading
 from types import FrameType
 from typing import Callable, Optional
 
+from . import user_files
 from .break_on import DEFAULT_BREAK_ON
 from .ranks import expand_rank, this_rank
 from .records import BatchStop, Stop, Violation
@@ -37,11 +38,7 @@ class ReportWriter:
 
     def __call__(self, stop: Stop) -> None:
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, (stop.to_json() + "\n").encode("utf-8"))
-            finally:
-                os.close(fd)
+            user_files.append_line(self.path, stop.to_json() + "\n")
         except OSError as exc:  # never take the user's program down for a report
             print(f"mldebug: warning: cannot write the report {self.path}: "
                   f"{exc.strerror or exc}", file=self.out, flush=True)

@@ -20,16 +20,17 @@ Nothing here imports debugpy at import time: `import mldebug.dap` is free.
 """
 from __future__ import annotations
 
+import socket
 import sys
 
-DEFAULT_HOST = "127.0.0.1"
-
-
+from ..core.addresses import is_loopback
 from ..core.ranks import this_rank
 from ..core.threads import hide_from_debugger  # noqa: F401 - part of the face
 from .pauser import DapPauser
 from .pydevd_api import (client_connected, debugger_active, register_plugin,  # noqa: F401
                          send_event, treat_as_library)
+
+DEFAULT_HOST = "127.0.0.1"
 
 
 # -- --listen ---------------------------------------------------------------------------
@@ -79,6 +80,12 @@ def setup(args, session) -> bool:
         print(f"{tag}mldebug: debugpy listens on {host}:{port}"
               + ("; waiting for a client to attach" if wait else ""),
               file=sys.stderr, flush=True)
+        if not is_loopback(host):
+            # debugpy asks its clients for no key: the address is the only guard
+            print(f"{tag}mldebug: warning: any client that reaches {host}:{port} can run "
+                  "code as you (debugpy asks for no key); listen on 127.0.0.1 and reach "
+                  f"it through an ssh tunnel: ssh -L {port}:127.0.0.1:{port} "
+                  f"{socket.gethostname()}", file=sys.stderr, flush=True)
         if wait:
             import debugpy
             debugpy.wait_for_client()

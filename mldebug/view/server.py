@@ -220,9 +220,21 @@ def _token_auth(server: ViewServer):
 
 
 def _quiet_loggers() -> None:
-    """Refused requests are answered (403), not printed on the user's terminal through
-    logging's last-resort handler; a program that configured logging still gets them."""
+    """Refused requests and clients that break Bokeh's protocol (junk on the websocket)
+    are answered or closed, not printed on the user's terminal: neither through logging's
+    last-resort handler nor through the stderr handler Bokeh installs on import when the
+    program configured no logging. A program that configured logging still gets them."""
     for name in ("tornado.access", "tornado.application", "tornado.general", "bokeh"):
         logger = logging.getLogger(name)
         if not any(isinstance(h, logging.NullHandler) for h in logger.handlers):
             logger.addHandler(logging.NullHandler())
+    try:
+        from bokeh.util import logconfig
+    except ImportError:
+        return
+    bokeh_default = getattr(logconfig, "default_handler", None)
+    if bokeh_default is not None and bokeh_default in logging.getLogger("bokeh").handlers:
+        server_logger = logging.getLogger("bokeh.server")
+        if not server_logger.handlers:
+            server_logger.addHandler(logging.NullHandler())
+        server_logger.propagate = False
