@@ -13,7 +13,7 @@ there again, maybe before the writer thread has read it).
 Trust is earned, not assumed: the step that captures also reduces one op at a time, and
 the writer thread compares the two value for value (`judge`). Only a graph that gave the
 same numbers is replayed. An error while capturing or a difference turns the graphs off
-for the process, and the reductions run one by one as before (`GRAPHS.off` says why;
+for the process, and the reductions run one op at a time (`GRAPHS.off` says why;
 `bench_record.py` prints it). Rolled blocks are not graphed: their reductions zero the
 NaN/Inf they count, so a second run could not be compared with the first.
 

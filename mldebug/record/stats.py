@@ -424,7 +424,7 @@ def holds_well(t: torch.Tensor) -> bool:
 
 def _copied_as_is(t: torch.Tensor) -> bool:
     """Whether T is copied into a block as it lies (any strides, one op): plain strided
-    tensors; another kind (a subclass) is flattened first, as before."""
+    tensors; another kind (a subclass) is flattened first."""
     return type(t) in _PLAIN and t.layout is _STRIDED
 
 

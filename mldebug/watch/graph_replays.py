@@ -1,5 +1,5 @@
 """CUDA graphs: the watch checks what a captured graph's outermost module calls return,
-after each replay (issue 22).
+after each replay.
 
 While a graph is captured the watch steps aside (`core.cuda_graphs`): no op of its own
 may be captured, and no value can be read. It only notes, in Python, the tensors that
@@ -19,6 +19,10 @@ replay, as an eager step costs one.
 
 A module graphed by `make_graphed_callables`, or compiled with reduce-overhead, is also
 called as a module, so its hooks check it at that boundary like any module.
+
+Tested: tests/test_cuda_graph_capture.py counts, with the capture and replays pretended on
+the CPU, that nothing of mldebug's is dispatched inside a capture and that a replay's NaN
+stops at its line; tests/test_cuda_paths.py does both with real CUDA graphs under the CLI.
 """
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 
 On the CPU the tiers check each module output, gradient and optimizer result as it is
 made. With torch that is three ops and a host read per tensor (`detach`, `sum`, `item`):
-about as many extra ops as the plain step has (issue 22's count: +39 on the benchmark
-MLP's 45, +758 on the CNN's 418). The kernel reads the tensor's memory once, in place,
+about as many extra ops as the plain step has, or more (with MLDEBUG_NATIVE=0,
+bench_watch.py's `count_ops`: +35 ops and +12 reads on the benchmark MLP's 45 ops, +676
+and +226 on the CNN's 418). The kernel reads the tensor's memory once, in place,
 and adds no op and no read to the step; it is exact, where a sum of finite values can
 overflow to Inf and must then be counted again.
 

@@ -1,5 +1,5 @@
 """The device ledger: every NaN/Inf check of a tensor on a device (a GPU) goes through it,
-and one read answers all of them (issue 22).
+and one read answers all of them.
 
 On a GPU each op is a kernel launch (~5-10 us of CPU time, what a launch-bound step pays
 in full) and each read of a value on the host is a sync. So a device check is not a
@@ -19,6 +19,13 @@ then checked by one read. Temporaries are held at most _GROUP tensors / _GROUP_B
 time (beyond that they are reduced at once and let go), so holding them changes a
 program's memory by at most that much; parameters, gradients and optimizer state live on
 anyway and are held without a bound.
+
+Tested without a GPU through the same code: the `device` fixture's `cpu-as-device` case,
+and `pytest --device-path` runs a whole test directory so (`MLDEBUG_SIMULATE_DEVICE=1`,
+the CLI's subprocesses included; tests/conftest.py). The host path's verdicts are the
+reference; tests that expect a stop inside the op itself (a raise, a pause at its line)
+differ there by design. On a GPU, tests/test_cuda_paths.py and the device-path tests run
+for real (benchmarks/gpu_session.sh).
 """
 from __future__ import annotations
 
