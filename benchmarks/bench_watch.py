@@ -11,7 +11,7 @@ ratio to plain. A step is zero_grad + forward + backward + optimizer step.
 Models: MLP 784-256-256-10 (batch 64, SGD), ResNet-18-like CNN (batch 16, 3x64x64, SGD
 with momentum), GPT-like transformer (6 layers, d=512, 8 heads, seq 128, batch 8, AdamW).
 Then, for each model, the counts that do not depend on the machine: the aten ops and
-host reads of one healthy step, plain and watched (issue 22's budget: at most +10% ops).
+host reads of one healthy step, plain and watched (the budget: at most +10% ops).
 The last line is the cost of the DataLoader bookkeeping the watch keeps to name a bad
 sample's dataset index (watch/data_origin.py): time per batch of a shuffled DataLoader
 over MLP-sized batches with it and without, as a share of the MLP step, and the tensor ops
@@ -183,9 +183,9 @@ class Plain:
 
 
 class WatchEveryGradHook:
-    """The watch as it was before 2026-11-28: a pre-hook on the gradient of every module
-    output, also where the layer's parameter gradients show it (safe.params_show_grad
-    off): what leaving those to the parameter gradients saves, side by side (opt-in:
+    """The watch with a pre-hook on the gradient of every module output, also where the
+    layer's parameter gradients show it (safe.params_show_grad off): what leaving those
+    to the parameter gradients saves, side by side (opt-in:
     `--variants watch,watch_every_grad_hook`)."""
 
     def __enter__(self):

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# What issue 22 still has to measure on a GPU, as ONE command that fits a lent machine's
-# limits (10 minutes a command, 15 minutes of device time a session, no network there).
+# The GPU figures of the watch and the recorder (benchmarks/README.md), as ONE command
+# that fits a borrowed GPU machine's limits (10 minutes a command, no network there).
 #
-#   here, where pip reaches the registry (once a session; .whl/ is git-ignored locally):
-#       bash benchmarks/gpu_session.sh --fetch-wheels
-#   there (the device tool's `run`):
-#       run(command="bash benchmarks/gpu_session.sh", carry=[".whl"], timeout_s=600)
+#   on a machine that reaches the package registry, first:
+#       bash benchmarks/gpu_session.sh --fetch-wheels      (.whl/ is git-ignored locally)
+#   then on the GPU machine, with .whl/ copied beside the tree:
+#       bash benchmarks/gpu_session.sh
 #
 # The GPU image has torch, numpy, pytest and Lightning but not mldebug's prompt and view
 # packages (debugpy, ipdb/IPython, bokeh, tornado, pexpect): those travel as wheels.
@@ -67,7 +67,7 @@ part watch_x16 50 python3 benchmarks/bench_watch.py --device cuda --quick --mode
 # 3. the recorder, every step and not
 part record 140 python3 benchmarks/bench_record.py --device cuda --quick --models mlp,cnn,gpt
 # 4. the CPU's stand-in for a launch-bound step on this host, beside the GPU's figures above:
-# what calibrates it for the sessions without a GPU (benchmarks/README.md, watch)
+# what calibrates it for machines without a GPU (benchmarks/README.md, watch)
 part standin 50 python3 benchmarks/bench_watch.py --launch-bound --quick --models mlp,cnn,gpt \
     --variants plain2,empty_mode,watch
 echo "gpu_session: done $(date -u +%T); files in $OUT"

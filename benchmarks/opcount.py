@@ -1,5 +1,5 @@
 """Machine-independent counts of a training step: the aten ops it dispatches and its host
-reads, from torch's profiler (issue 22's op and read budgets).
+reads, from torch's profiler (the watch's op and read budgets).
 
     ops, reads = count_step(step, warmup=3)
     calls = count_calls(step)      # Python calls on this thread, all code
