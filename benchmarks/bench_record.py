@@ -17,6 +17,10 @@ printed as a ratio to plain. A step is zero_grad + forward + backward + optimize
     record@100      every=100 amortized: (recorded + 99 unrecorded) / 100
     history         the CLI's default history (with the graph capture the CLI runs),
                     against the graph capture alone ("capture")
+    record@1>tb, record@100>tb (with --to tensorboard; >wandb with --to wandb)
+                    record@1 and record@100 with a live copy (`to=`) into a TensorBoard
+                    event file in a temporary folder, or into an offline W&B run: the
+                    copy is made on the mirror's own thread, beside these steps
     texp@1, texp@100:off, texp@100
                     torchexplorer.watch(log=all four, log_freq=1 / 100, backend='none'),
                     when installed. Its graphviz layout needs the `dot` program and its
@@ -58,6 +62,7 @@ from mldebug.record.history import History  # noqa: E402
 
 LOGS = ("io", "io_grad", "params", "params_grad")
 CLOCK = [time.perf_counter]   # --clock cpu: time.process_time (all threads of the process)
+TO = [None]                   # --to: the live copy's target kind
 
 
 def load_torchexplorer():
@@ -122,6 +127,10 @@ class _Null:
 EAGER = "bench_record.py: record@1:eager"
 
 
+def _short(target: str) -> str:
+    return {"tensorboard": "tb"}.get(target, target)
+
+
 def make_variants(make, device, run_dir, texp):
     def rec(every):
         return lambda v: mldebug.record(v.model, log=LOGS, every=every, run_dir=run_dir,
@@ -181,6 +190,13 @@ def make_variants(make, device, run_dir, texp):
     }
     if torch.device(device).type == "cuda":
         variants["record@1:eager"] = OneOpAtATime
+    if TO[0] is not None:
+        def mirrored(every):
+            to = ("tensorboard", os.path.join(run_dir, "tb")) if TO[0] == "tensorboard" else "wandb"
+            return lambda v: mldebug.record(v.model, log=LOGS, every=every, run_dir=run_dir,
+                                            run=f"bench-{every}-to", to=to)
+        variants[f"record@1>{_short(TO[0])}"] = mirrored(1)
+        variants[f"record@100>{_short(TO[0])}"] = mirrored(100)
     if texp is not None:
         def peer(freq):
             def attach(v):
@@ -256,7 +272,7 @@ def measure(name, device, reps, per, run_dir, texp):
         for k in order.sample(list(vs), len(vs)):
             v = vs[k]
             t = v.steps(per)
-            if k == "record@100":
+            if k.startswith("record@100"):
                 # a new recorder each block: its step 0 is recorded; the two steps after
                 # it share the machine with its write and are left out of ':off'
                 times.setdefault(k + ":rec", []).append(t[0][1])
@@ -284,6 +300,9 @@ def main(argv=None):
     parser.add_argument("--models", default="mlp,cnn")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads")
+    parser.add_argument("--to", choices=("tensorboard", "wandb"),
+                        help="also time record@1 and record@100 with a live copy (to=) into "
+                             "TensorBoard, or into W&B (offline, under a temporary folder)")
     parser.add_argument("--batch-scale", type=int, default=1,
                         help="multiply every model's batch (bench_watch.py's models)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
@@ -298,6 +317,7 @@ def main(argv=None):
         CLOCK[0] = time.process_time
     if args.threads:
         torch.set_num_threads(args.threads)
+    TO[0] = args.to
     texp, why = load_torchexplorer()
     reps = {"mlp": 80, "cnn": 10, "gpt": 6} if not args.quick else {"mlp": 30, "cnn": 4,
                                                                      "gpt": 3}
@@ -315,11 +335,16 @@ def main(argv=None):
     cols = ["plain2", "record@1", "record@100:off", "record:never", "record@100", "capture", "history"]
     if torch.device(args.device).type == "cuda":
         cols.insert(2, "record@1:eager")
+    if args.to is not None:
+        cut = cols.index("record@100") + 1
+        cols[cut:cut] = [f"record@1>{_short(args.to)}", f"record@100>{_short(args.to)}"]
     if texp is not None:
         cols += ["texp@1", "texp@100:off", "texp@100"]
     print(f"{'model':6} {'plain ms':>9} " + " ".join(f"{c:>14}" for c in cols)
           + f" {'history/capture':>16}")
     with tempfile.TemporaryDirectory() as run_dir:
+        if args.to == "wandb":      # (offline, nothing printed, its files in the folder)
+            os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=run_dir)
         for name in args.models.split(","):
             med = measure(name, args.device, reps[name], per[name], run_dir, texp)
             base = med["plain"]

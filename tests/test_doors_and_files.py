@@ -301,9 +301,34 @@ def check_announcement(row, tmp_path, monkeypatch):
     assert row["how"].startswith("appended (`O_APPEND`), never truncated")
 
 
+def check_tensorboard(row, tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    import torch
+
+    import mldebug
+    from mldebug.record.export import export
+    model = torch.nn.Linear(2, 1)
+    with mldebug.record(model, run_dir=str(tmp_path / "runs"), run="r", background=False) as rec:
+        model(torch.ones(1, 2)).sum().backward()
+        rec.step()
+    out = tmp_path / "tb" / "r"
+    out.mkdir(parents=True)
+    (out / "notes.txt").write_text("the user's own file")
+    export(str(tmp_path / "runs"), tensorboard=str(tmp_path / "tb"))
+    export(str(tmp_path / "runs"), tensorboard=str(tmp_path / "tb"))    # again: one more
+    events = sorted(p.name for p in out.iterdir() if p.name != "notes.txt")
+    assert len(events) == 2 and all(e.startswith("events.out.tfevents.") and
+                                    e.endswith(".mldebug") for e in events)
+    assert (out / "notes.txt").read_text() == "the user's own file"
+    assert all(_mode(out / e) == _umasked(0o644) or _mode(out / e) == _umasked(0o666)
+               for e in events)
+    assert row["how"].startswith("new files only")
+
+
 FILE_CHECKS = {"the JSON report": check_report, "a recorded run": check_run,
                "an attach connection file": check_connection_file,
                "built C kernels": check_kernels,
+               "a recording in TensorBoard": check_tensorboard,
                "the line that says where a rank's prompt is": check_announcement}
 
 

@@ -50,12 +50,23 @@ Named tensors, scalars, notes (module functions; no-ops when nothing records)
     mldebug.log_scalar(name, v)             every step; written with the next recorded
                                             step, or at least once a second
     mldebug.log_note(text)                  a note at the current step
+    (each stop of the program is noted at the step in progress: "[stop] " + its message)
 
 Cost
     Steps that are not recorded run with no module hook installed (only two global
     optimizer hooks that count). Recorded steps compute a few reductions per tensor on
     its device and bring everything to the host once per step. benchmarks/bench_record.py
     measures it.
+
+Live copy in TensorBoard or Weights & Biases (`to=`; optional extras)
+    to=("tensorboard", DIR)   a new event file of mldebug's own in DIR
+    to="wandb"                the active wandb.run (mldebug's keys over "mldebug/step"),
+                              or a new run named after this one (WANDB_MODE, WANDB_PROJECT,
+                              WANDB_ENTITY as the environment says)
+    to=writer / run / [...]   a SummaryWriter or wandb run of your own, or several targets
+    Each committed write (a recorded step's stats and histograms, KPIs, notes, stops)
+    goes to the mirror's own thread (mirror.py), never waited for by the training step;
+    tags and numbers are those of `python -m mldebug runs export` (export.py).
 
 Store and safety
     RUN_DIR/RUN.sqlite, one transaction per recorded step (WAL): a killed program leaves
@@ -69,6 +80,7 @@ import os as _os
 import tempfile as _tempfile
 
 from ..core.callable_module import make_callable
+from ..core.quiet import own_call
 from . import recorder as _recorder
 from .recorder import LOGS, WHAT, Capture, Recorder, active_recorder  # noqa: F401
 from .store import Run, list_runs, open_run  # noqa: F401
@@ -80,15 +92,16 @@ __all__ = ["record", "Recorder", "Capture", "Run", "open_run", "list_runs",
 def _record(model=None, log=LOGS, every=1, modules=None, children=None, condition=None,
            capture=(), run_dir="runs", run=None, note="", bins=30, sample=1024, clip=5.0,
            batch_dim=0, training_only=True, if_exists="replace", step="optimizer",
-           background=True, first_step=0) -> Recorder:
+           background=True, first_step=0, to=None) -> Recorder:
     """Start recording MODEL (or only scalars/named tensors when None); returns the
-    running Recorder (a context manager; close() ends it)."""
+    running Recorder (a context manager; close() ends it). TO: a live copy in
+    TensorBoard or W&B (("tensorboard", DIR), "wandb", a SummaryWriter, a wandb run)."""
     _check_run_dir(run_dir)
     return Recorder(model, log=log, every=every, modules=modules, children=children,
                     condition=condition, capture=capture, run_dir=run_dir, run=run,
                     note=note, bins=bins, sample=sample, clip=clip, batch_dim=batch_dim,
                     training_only=training_only, if_exists=if_exists, step=step,
-                    background=background, first_step=first_step).start()
+                    background=background, first_step=first_step, to=to).start()
 
 
 def _check_run_dir(run_dir) -> None:
@@ -104,6 +117,7 @@ def _check_run_dir(run_dir) -> None:
                         ) from None
 
 
+@own_call   # (the NaN watch looks away: a NaN logged is no stop, core/quiet.py)
 def log_tensor(name: str, t, role: str = "") -> None:
     """Stats and histogram of T under NAME in the running recording (recorded steps only).
     ROLE is free text shown beside it (e.g. 'helper', 'attention')."""
@@ -112,6 +126,7 @@ def log_tensor(name: str, t, role: str = "") -> None:
         rec.log_tensor(name, t, role=role)
 
 
+@own_call   # (the NaN watch looks away: a NaN logged is no stop, core/quiet.py)
 def log_scalar(name: str, value) -> None:
     """A KPI (loss, accuracy, lr) at the current step of the running recording."""
     rec = _recorder._ACTIVE
@@ -119,6 +134,7 @@ def log_scalar(name: str, value) -> None:
         rec.log_scalar(name, value)
 
 
+@own_call   # (the NaN watch looks away: a NaN logged is no stop, core/quiet.py)
 def log_note(text: str) -> None:
     """A free-text note at the current step of the running recording."""
     rec = _recorder._ACTIVE

@@ -26,7 +26,7 @@ from . import stats as _stats
 from .capture_hooks import CaptureHooks, cuda_graph_aside
 from .capture_spec import REDUCTIONS, WHAT, Capture, _select  # noqa: F401 - record's names
 from .io_holding import IoHolding
-from .step_writing import StepWriting, _scalar_rows
+from .step_writing import StepWriting
 from .store import SCALAR_FLUSH_S, Writer, check_run_name, run_path
 
 LOGS = ("io", "io_grad", "params", "params_grad")
@@ -72,7 +72,7 @@ class Recorder(CaptureHooks, IoHolding, StepWriting):
                  bins: int = 30, sample: int = 1024, clip: Optional[float] = 5.0,
                  batch_dim: Optional[int] = 0, training_only: bool = True,
                  if_exists: str = "replace", step: str = "optimizer", background: bool = True,
-                 first_step: int = 0):
+                 first_step: int = 0, to=None):
         if model is not None and not isinstance(model, nn.Module):
             raise UsageError(f"record: model must be a torch.nn.Module or None, "
                              f"got {type(model).__name__}")
@@ -158,7 +158,7 @@ class Recorder(CaptureHooks, IoHolding, StepWriting):
             {id(p) for p in model.parameters()} if model is not None else set())
         self._owns = weakref.WeakKeyDictionary()
         self._io_keys: dict = {}       # (module path, kind, index) -> series keys
-        self._writer = Writer(path, {
+        meta = {
             "run": name, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
             "model": type(model).__name__ if model is not None else None,
             "log": sorted(self.log), "every": every if isinstance(every, int) else "callable",
@@ -167,8 +167,15 @@ class Recorder(CaptureHooks, IoHolding, StepWriting):
             "step": "manual" if self.manual else "optimizer", "pid": os.getpid(),
             # which rank of a multi-process job recorded it (None: a single process)
             "rank": rank.rank if rank is not None else None,
-            "world_size": rank.world_size if rank is not None else None},
-            background=background)
+            "world_size": rank.world_size if rank is not None else None}
+        # the live copy (to=) opens before the store: a missing extra or a bad target
+        # leaves an earlier run of this name as it was
+        self._mirror = self._open_mirror(to, name, meta, background)
+        try:
+            self._writer = Writer(path, meta, background=background)
+        except BaseException:
+            self._close_mirror()
+            raise
         # a step finished on the host is committed here when torch's threads take every
         # core: a writer thread then runs instead of them, not beside them, and its GIL
         # hand-offs cost the step more than the commit (~80 µs) does
@@ -224,9 +231,13 @@ class Recorder(CaptureHooks, IoHolding, StepWriting):
                     _optim_hooks.register_optimizer_step_pre_hook(self._opt_pre),
                     _optim_hooks.register_optimizer_step_post_hook(self._opt_post)]
             self._begin_step()
+            self._listen_for_stops()
         except BaseException:
             self.close()
             raise
+        if self._mirror is not None:   # closed before the exit hooks of what it opened
+            import atexit               # (wandb's, registered since): the last step lands
+            atexit.register(_close_at_exit)
         return self
 
     def close(self) -> None:
@@ -250,11 +261,13 @@ class Recorder(CaptureHooks, IoHolding, StepWriting):
             self._remove(self._global)
             self._remove(self._opt_hooks)
             self._tensor_hooks_off()
+            self._stop_listening()
             if _ACTIVE is self:
                 _ACTIVE = None
             self._writer.submit(lambda: self._writer.set_meta(status="closed",
                                                               steps=self.step_index))
             self._writer.close()
+            self._close_mirror()
             if _ACTIVE is None:      # (every step read: no replay of a block graph in flight)
                 block_graphs.GRAPHS.release()
 
@@ -556,5 +569,5 @@ class Recorder(CaptureHooks, IoHolding, StepWriting):
         notes, self._notes = self._notes, []
         scalars, self._scalars = self._scalars, []
         step = self.step_index
-        self._writer.submit(lambda: self._writer.write_step(step, None, _scalar_rows(scalars),
-                                                            notes, [], recorded=False))
+        self._writer.submit(lambda: self._commit(step, None, None, scalars, notes, [],
+                                                 recorded=False))

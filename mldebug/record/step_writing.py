@@ -1,5 +1,7 @@
 """The end of a recorded step: the step's statistics staged, packed into column blobs and
-handed to the store's writer thread (methods of `Recorder`)."""
+handed to the store's writer thread (methods of `Recorder`); once committed, the same
+write goes to the live mirror (`to=`, mirror.py). The program's stops are noted at their
+step (`[stop] ` + the stop's message), so a run and its dashboards show where it stopped."""
 from __future__ import annotations
 
 import time
@@ -7,7 +9,12 @@ import time
 import numpy as np
 import torch
 
+from ..core import session as _session
 from ..core.quiet import own_work
+from .capture_hooks import cuda_graph_aside
+from .export import STOP_NOTE
+from .mirror import Mirror
+from .sinks import open_sinks
 
 
 class StepWriting:
@@ -48,7 +55,7 @@ class StepWriting:
             w.flush()     # (series ids: the writer is idle while new ones are added)
             with own_work():
                 packed, cap_rows = self._pack_step(step, batch, staged, entries, caps)
-            job = lambda: w.write_step(step, packed, _scalar_rows(scalars), notes, cap_rows)
+            job = lambda: self._commit(step, packed, entries, scalars, notes, cap_rows)
             if self._commit_here:
                 w.run(job)
             else:
@@ -61,7 +68,44 @@ class StepWriting:
         (The watch's dispatch mode is per thread: this thread is not watched.)"""
         with torch.no_grad():
             packed, cap_rows = self._pack_step(step, batch, staged, entries, caps)
-        self._writer.write_step(step, packed, _scalar_rows(scalars), notes, cap_rows)
+        self._commit(step, packed, entries, scalars, notes, cap_rows)
+
+    def _commit(self, step, packed, entries, scalars, notes, cap_rows, recorded=True) -> None:
+        """One transaction of the store (the writer thread's, or the training thread's
+        for a step finished on the host); then the same write to the mirror's queue."""
+        rows = _scalar_rows(scalars)
+        w = self._writer
+        w.write_step(step, packed, rows, notes, cap_rows, recorded=recorded)
+        if self._mirror is not None and not w.failed:
+            self._mirror.put(step, packed, entries, rows, notes)
+
+    # -- the live mirror (to=) and the stops ----------------------------------------------
+    def _open_mirror(self, to, name: str, meta: dict, background: bool):
+        sinks = open_sinks(to, name, config={"mldebug": meta})
+        return Mirror(sinks, self._say, background=background) if sinks else None
+
+    def _close_mirror(self) -> None:
+        mirror, self._mirror = self._mirror, None
+        if mirror is not None:
+            mirror.close()
+
+    def _listen_for_stops(self) -> None:
+        self._stops_of = _session.current()
+        self._stops_of.add_listener(self._on_stop)
+
+    def _stop_listening(self) -> None:
+        session = getattr(self, "_stops_of", None)
+        if session is not None:
+            session.remove_listener(self._on_stop)
+            self._stops_of = None
+
+    def _on_stop(self, stop) -> None:
+        """A stop of the program: a note at the step in progress (in a step's data
+        handling before the forward too: not `_log_step`'s step that just ended), written
+        now (the program may pause here, or end)."""
+        self._notes.append((self.step_index, time.time(), STOP_NOTE + stop.message))
+        if not cuda_graph_aside():
+            self._flush_scalars(force=True)
 
     def _pack_step(self, step, batch, staged, entries, caps) -> tuple:
         """The step's stepdata row and capture rows (host transfer, histograms, packing)."""

@@ -40,10 +40,11 @@ import math
 import os
 import queue
 import sqlite3
+import secrets
 import threading
 import time
 import warnings
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
@@ -82,6 +83,48 @@ def check_run_name(name: str) -> str:
     return name
 
 
+def is_run_file(path: str) -> bool:
+    """Whether PATH is a run mldebug recorded (a SQLite file with the run's meta table),
+    read without changing it: only such a file is replaced by a new run of its name."""
+    try:
+        db = sqlite3.connect(f"file:{os.path.abspath(path)}?mode=ro", uri=True)
+        try:
+            return db.execute("SELECT 1 FROM meta WHERE key = 'schema'").fetchone() is not None
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return False
+
+
+def _create(path: str, meta: dict) -> None:
+    """A new, empty run at PATH, built under a temporary name beside it and renamed over
+    what was there: an earlier run of the name is whole until the new one replaces it."""
+    # a new name sqlite creates itself (its permissions, as for any run: 0644 less the
+    # umask); mkstemp's 0600 would make a replaced run unreadable to the user's group
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
+                       f".mldebug-run-{secrets.token_hex(8)}.sqlite")
+    try:
+        db = sqlite3.connect(tmp, isolation_level=None)
+        try:
+            db.executescript(_SCHEMA)
+            db.execute("BEGIN")
+            db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                           [(k, json.dumps(v, default=str)) for k, v in
+                            dict(meta, schema=SCHEMA_VERSION, status="recording").items()])
+            db.execute("COMMIT")
+        finally:
+            db.close()
+        for extra in ("-wal", "-shm"):    # the earlier run's journal must not meet the new
+            if os.path.exists(path + extra):
+                os.remove(path + extra)
+        os.replace(tmp, path)
+    except BaseException:
+        for leftover in (tmp, tmp + "-journal"):
+            if os.path.exists(leftover):
+                os.remove(leftover)
+        raise
+
+
 class Writer:
     """Writes one run. Every method is safe to call after a failure (it does nothing).
 
@@ -98,20 +141,15 @@ class Writer:
         self._series: dict = {}            # key -> id
         self._pending_series: list = []   # new series of the step being written
         self._db = None
+        if os.path.exists(path) and not is_run_file(path):
+            raise FileExistsError(f"{path} exists and is not a run mldebug recorded: it is "
+                                  "left as it is (pass another run= or run_dir=)")
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            for extra in ("", "-wal", "-shm"):   # the caller chose to replace it
-                if os.path.exists(path + extra):
-                    os.remove(path + extra)
+            _create(path, meta)
             db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
-            db.executescript(_SCHEMA)
-            db.execute("BEGIN")
-            db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
-                           [(k, json.dumps(v, default=str)) for k, v in
-                            dict(meta, schema=SCHEMA_VERSION, status="recording").items()])
-            db.execute("COMMIT")
             self._db = db
         except (sqlite3.Error, OSError) as exc:
             raise OSError(f"cannot create the run store {path!r}: {exc}") from exc
@@ -248,6 +286,8 @@ class Run:
         run.scalars(name=None)                  {name: [(step, value), ...]}
         run.notes()                             [(step, text)]
         run.captures(key=None, step=None)       [{key, step, call, reduction, array}]
+        run.step_rows()                         (step, {keys, calls, stats, hist, ...}) a step at a time
+        run.step_times()                        {step: time it was written}
     """
 
     def __init__(self, path: str):
@@ -445,6 +485,37 @@ class Run:
             out.append({"key": by_id.get(sid, "?"), "step": s, "call": call,
                         "reduction": red, "array": arr})
         return out
+
+    def step_rows(self) -> Iterator[tuple]:
+        """(step, `unpack_step` arrays plus 'keys', the series key of each row) of every
+        recorded step, ascending, read one row at a time (an export walks a long run
+        without holding it in memory)."""
+        by_id = {s["id"]: s["key"] for s in self._all_series()}
+        cur = self._db.execute("SELECT step, k, bins, series, calls, stats, hist, ranges, "
+                               "outside, sample_n FROM stepdata ORDER BY step")
+        for step, *columns in cur:
+            rows = unpack_step(*columns)
+            ids = rows["series"].tolist()
+            if any(i not in by_id for i in ids):    # (a run still recording added some)
+                self._series = None
+                by_id = {s["id"]: s["key"] for s in self._all_series()}
+            rows["keys"] = [by_id.get(i, f"?{i}") for i in ids]
+            yield step, rows
+
+    def step_times(self) -> dict:
+        """{step: time.time() when it was written} of the steps that stored anything."""
+        return dict(self._db.execute("SELECT step, time FROM steps"))
+
+
+def unpack_step(k, bins, series, calls, stats, hist, ranges, outside, sample_n, *_norms) -> dict:
+    """The arrays of one step's K rows: a stepdata row's columns after `step`, or the
+    tuple the recorder packs for it (`step_writing._pack`, norms last)."""
+    return {"series": np.frombuffer(series, "<i4"), "calls": np.frombuffer(calls, "<i4"),
+            "stats": np.frombuffer(stats, "<f8").reshape(k, len(STAT_COLUMNS)),
+            "hist": np.frombuffer(hist, "<i4").reshape(k, bins),
+            "ranges": np.frombuffer(ranges, "<f8").reshape(k, 2),
+            "outside": np.frombuffer(outside, "<i4").reshape(k, 2),
+            "sample_n": np.frombuffer(sample_n, "<i4")}
 
 
 def open_run(path_or_name: str, run_dir: Optional[str] = None) -> Run:

@@ -69,11 +69,14 @@ def timeline(run, modules: Optional[Iterable[str]] = None,
         out_series = []
         for s in series:
             t = table[s["key"]]
-            first = np.ones(len(t["steps"]), bool)
-            if len(t["steps"]):   # the first call of each step
-                first[1:] = t["steps"][1:] != t["steps"][:-1]
+            # the first call of each step: rows by (step, call), as gradients are stored
+            # in the order backward reaches them (a module's later call first)
+            order = np.lexsort((t["calls"], t["steps"]))
+            first = np.ones(len(order), bool)
+            if len(order):
+                first[1:] = t["steps"][order][1:] != t["steps"][order][:-1]
             calls = int(t["calls"].max()) + 1 if len(t["calls"]) else 0
-            idx = np.nonzero(first)[0]
+            idx = order[first]
             idx = idx[_thin(len(idx), max_steps)]
             st = t["stats"][idx]
             stats = {}
