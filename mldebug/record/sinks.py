@@ -89,21 +89,29 @@ class TensorBoardSink:
             # on their way): the rest goes into an event file of mldebug's own beside it
             if self._closed_by_owner():
                 self._own_writer()
+            target = self if method.startswith("_") else self.writer
             try:
-                getattr(self.writer, method)(*args, **kwargs)
+                getattr(target, method)(*args, **kwargs)
             except OSError as exc:
                 if not self._closed_by_owner(exc):
                     raise
                 self._own_writer()       # (closed while this event was on its way)
-                getattr(self.writer, method)(*args, **kwargs)
+                target = self if method.startswith("_") else self.writer
+                getattr(target, method)(*args, **kwargs)
             if pause is not None:
                 pause()
 
-    @staticmethod
-    def _calls(items: StepItems):
+    def _calls(self, items: StepItems):
         step, when = items.step, items.walltime
-        for tag, value in items.scalars:
-            yield "add_scalar", (tag, value, step), {"walltime": when}
+        together = _one_summary(self.writer, items.scalars)
+        if together is not None:
+            # a step's scalars as one event: tensorboard's own Summary of many values, as
+            # TensorFlow writes them (an event each costs ~45 us of pure Python: 13 a
+            # series, a step of 22 series 12.8 ms, against 4.1 ms so)
+            yield "_add_summary", (together, step, when), {}
+        else:
+            for tag, value in items.scalars:
+                yield "add_scalar", (tag, value, step), {"walltime": when}
         for tag, (edges, counts) in items.histograms.items():
             centres = (edges[:-1] + edges[1:]) / 2      # sum and sum of squares: by bin
             yield "add_histogram_raw", (tag,), dict(
@@ -113,6 +121,9 @@ class TensorBoardSink:
                 global_step=step, walltime=when)
         for tag, text in items.texts.items():
             yield "add_text", (tag, text, step), {"walltime": when}
+
+    def _add_summary(self, summary, step, walltime) -> None:
+        self.writer._get_file_writer().add_summary(summary, step, walltime)
 
     def _closed_by_owner(self, exc: Optional[BaseException] = None) -> bool:
         """Whether the writer mldebug was handed has been closed by its owner (torch's
@@ -248,6 +259,22 @@ def close_all(sinks: list) -> list:
         except Exception as exc:  # noqa: BLE001 - one sink's failure leaves the others
             failed.append((sink, exc))
     return failed
+
+
+def _one_summary(writer, scalars: list):
+    """SCALARS [(tag, value)] as one tensorboard Summary of many values, built with
+    torch's own `summary.scalar`, where WRITER is torch's SummaryWriter (None otherwise:
+    then one `add_scalar` each)."""
+    if not scalars or not hasattr(writer, "_get_file_writer"):
+        return None
+    try:
+        from torch.utils.tensorboard import summary as tb_summary
+    except ImportError:
+        return None
+    merged = tb_summary.scalar(*scalars[0])
+    for tag, value in scalars[1:]:
+        merged.value.extend(tb_summary.scalar(tag, value).value)
+    return merged
 
 
 def _at_most(edges, counts, n: int) -> tuple:
