@@ -1,4 +1,4 @@
-"""A CUDA graph capture under mldebug (issue 22): while the program captures
+"""A CUDA graph capture under mldebug: while the program captures
 (`torch.cuda.graph`, `make_graphed_callables`, reduce-overhead's trees), kernels are
 recorded, not run. A read to the host there is an error that breaks the program's
 capture, and a kernel of ours captured with the program's would run again at every
