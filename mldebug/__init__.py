@@ -25,7 +25,7 @@ from .core.version import __version__  # noqa: F401
 # program configures logging or the CLI runs with -v: a library does not print.
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
-from .core.errors import MLDebugError, NonFiniteError, UsageError  # noqa: F401
+from .core.errors import MLDebugError, NonFiniteError, StopError, UsageError  # noqa: F401
 
 # The summaries are imported eagerly: they need only numpy and torch, which every user
 # of mldebug has loaded anyway.

@@ -15,3 +15,13 @@ class NonFiniteError(MLDebugError, FloatingPointError):
 
 class UsageError(MLDebugError, ValueError):
     """A bad argument from the user: the message names the value."""
+
+
+class StopError(MLDebugError):
+    """A stop ended a run that nobody can answer a prompt for: a framework callback with
+    `batch=True` (the default without a terminal), or `mldebug.watch()` in a script run
+    without one. The message is the stop's report line; `stop` is the `Stop`."""
+
+    def __init__(self, message, stop=None):
+        super().__init__(message)
+        self.stop = stop

@@ -6,12 +6,23 @@ would stop the program again, inside the look), nor captured by the graph or the
 assertions' hooks, nor recorded by autograd. `own_work()` does all three; the pieces
 are there for the places that need only one (`watch_suspended()`, `QUIET`).
 
+`own_call` marks mldebug's public entry points that compute for the user (`summary`,
+`describe`, the HTML repr, `trace`, `log_tensor`, `inspect`, ...): while one runs, the
+watch looks away, so nothing it computes stops the program, is remembered as judged, or
+joins what the watch holds for its next read. The program's own values are left as they
+were: a NaN that `summary(x)` looked at still stops the program where the program itself
+first uses it, as it would have without the look. It costs the watch nothing (its hot
+path reads the flag it reads anyway), and only the thread the watch watches looks away:
+a view's or a panel's thread computing a summary while the program runs blinds nothing.
+
 The watch registers itself here when it starts (`watch_started`), so this bottom layer
 knows the running watch without importing the engine.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 
 import torch
 
@@ -20,6 +31,8 @@ import torch
 QUIET = [0]
 
 _watch = [None]      # the running watch (mldebug.watch.core.Watch), or None
+_get_ident = threading.get_ident
+_graph_task_id = torch._C._current_graph_task_id
 
 
 def watch_started(watch) -> None:
@@ -35,6 +48,39 @@ def watch_suspended():
     """The running watch's `suspended()` context, or a context that does nothing."""
     watch = _watch[0]
     return watch.suspended() if watch is not None else contextlib.nullcontext()
+
+
+def _watch_on_this_thread():
+    """The running watch when it watches this thread (the one it was started on, or one
+    of autograd's device threads running a backward, where its mode is carried), else
+    None."""
+    watch = _watch[0]
+    if watch is not None and (getattr(watch, "_owner", None) == _get_ident()
+                              or _graph_task_id() != -1):
+        return watch
+    return None
+
+
+def looking_away():
+    """Context manager: the watch looks away on this thread (what `own_call` does, for
+    an entry point that reads its caller's frame)."""
+    watch = _watch_on_this_thread()
+    return watch.suspended() if watch is not None else contextlib.nullcontext()
+
+
+def own_call(fn):
+    """Decorator of an entry point of mldebug's own computations: the watch looks away
+    while it runs (on the watch's thread; elsewhere the watch sees nothing anyway)."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        watch = _watch_on_this_thread() if _watch[0] is not None else None
+        if watch is None:
+            return fn(*args, **kwargs)
+        with watch.suspended():
+            return fn(*args, **kwargs)
+
+    return call
 
 
 class own_work:
@@ -53,7 +99,7 @@ class own_work:
         if not self._keep_grad:
             self._grad = torch.is_grad_enabled()
             torch._C._set_grad_enabled(False)
-        watch = _watch[0]
+        watch = _watch_on_this_thread()
         self._suspended = watch.suspended() if watch is not None else None
         if self._suspended is not None:
             self._suspended.__enter__()

@@ -53,13 +53,26 @@ class Violation:
     data: Optional[dict] = None
     # judged at a read after the op ran (a device's window: its frame may be gone)
     read_later: bool = False
+    # a non-finite constant the program wrote on purpose (file:line is that write) has
+    # reached what it must not: e.g. 'the model call Net at train.py:31', 'the loss'
+    reached: str = ""
+    # what the value led to before it was read: 'ValueError: ... at policy.py:9', the
+    # exception that ended the program there (watch/before_exception.py)
+    then: str = ""
+    # the cause in words and its usual fix ('<cause>; fix at file:line: <remedy>'), from
+    # the catalogue of causes (watch/hints.py); `cause` names the rule, '' when none
+    hint: str = ""
+    cause: str = ""
+    # what the hint read that the fields above do not hold (watch/evidence.py)
+    evidence: Optional[dict] = None
 
     @property
     def count(self) -> int:
         return self.nan + self.posinf + self.neginf
 
-    def headline(self) -> str:
-        """One line: what, where, how it came about."""
+    def headline(self, hint: bool = True) -> str:
+        """One line: what, where, how it came about (and, with HINT, the likely cause in
+        words and its fix)."""
         if self.kind == "assertion":
             what = f"assertion {self.assertion} failed"
             if self.text:
@@ -88,6 +101,8 @@ class Violation:
             if self.module_type:
                 mod += f" ({self.module_type})"
             where.append(f"in module {mod}")
+        elif self.module_type and not self.param:   # the outermost module itself
+            where.append(f"in {self.module_type}")
         if self.param:
             where.append(f"updating parameter {self.param}")
         if self.file:
@@ -98,11 +113,27 @@ class Violation:
         cause = ""
         if self.kind != "assertion":
             made = "this op made it" if self.op else "made there"
-            cause = f"; {made} from finite inputs" if self.created else (
+            cause = f"; {made} from {self.made_from()}" if self.created else (
                 f"; it came in through {self.culprit or 'an input'}, made outside the watched ops")
+            if self.reached:
+                cause = f"; written there on purpose, it reaches {self.reached}"
             if self.data:
                 cause += f"; in the data: {data_text(self.data)}"
+        if self.then:
+            cause += f"; then: {self.then}"
+        if self.hint and hint:
+            cause += f"; hint: {self.hint}"
         return f"{what} {' '.join(where)} [{stage}]{cause}".replace("  ", " ")
+
+    def made_from(self) -> str:
+        """'finite inputs', or the Inf of the input it made a NaN from ('the -Inf in
+        input 0 (self)': inf - inf, 0 * inf, a softmax of an all -inf row)."""
+        if not self.culprit:
+            return "finite inputs"
+        held = next((s for name, s in self.inputs if name == self.culprit), None)
+        signs = [sign for sign, n in (("+Inf", getattr(held, "posinf", 0)),
+                                      ("-Inf", getattr(held, "neginf", 0))) if n]
+        return f"the {' and '.join(signs) or 'Inf'} in {self.culprit}"
 
 
 @dataclass
@@ -134,6 +165,13 @@ class Stop:
     pause_file: str = ""           # where the debugger paused, when it differs from file:line
     pause_line: int = 0
     data: Optional[dict] = None    # the sample it came in with: variable, rows, dataset_indices
+    reached: str = ""              # a constant written on purpose (file:line) reached this
+    then: str = ""                 # the exception this NaN/Inf led to before it was read
+    hint: str = ""                 # the likely cause and its usual fix, '' when none known
+    cause: str = ""                # the name of the catalogue's rule behind `hint`
+    evidence: Optional[dict] = None   # what the hint read (masked rows, the divisor's zeros)
+    # the op's inputs as `why` shows them: [{"name", "text", "summary"}]
+    inputs: Optional[list] = None
     # the rank of a multi-process job that stopped (all None for a single process)
     rank: Optional[int] = None
     local_rank: Optional[int] = None
@@ -166,10 +204,17 @@ class Stop:
         pause_file, pause_line, _ = _frames.location(v.frame)
         same_place = (pause_file, pause_line) == (v.file, v.line)
         shared = {name: getattr(v, name) for name in _SHARED_WITH_VIOLATION}
+        message = v.headline()
+        if v.read_later and pause_file and not same_place and not v.then:
+            at = v.frame.f_code.co_name if v.frame is not None else ""
+            message += ("; found at the program's end" if at == _frames.END_OF_PROGRAM else
+                        "; found at the test's end" if at == _frames.END_OF_TEST else
+                        f"; found at the read at {os.path.basename(pause_file)}:{pause_line}")
         return cls(
-            reason=reason, message=v.headline(), count=v.count,
+            reason=reason, message=message, count=v.count,
             created=None if reason == "assertion" else v.created,
             output=v.output.to_dict() if hasattr(v.output, "to_dict") else None,
+            inputs=[_input_dict(name, s) for name, s in v.inputs] if v.inputs else None,
             pause_file="" if same_place else pause_file,
             pause_line=0 if same_place else pause_line,
             violation=v, **shared)
@@ -221,6 +266,13 @@ def _few(values, most: int = 5) -> str:
     return shown + (f" and {len(values) - most} more" if len(values) > most else "")
 
 
+def _input_dict(name: str, summary) -> dict:
+    """One input of the op for the report: its label, its one-line summary (or repr) and
+    the summary as an object (null for a number)."""
+    return {"name": name, "text": str(summary),
+            "summary": summary.to_dict() if hasattr(summary, "to_dict") else None}
+
+
 def _plain(value):
     # the report's dicts are copies: a listener that edits one changes no other
     return copy.deepcopy(value) if isinstance(value, (dict, list)) else value
@@ -232,7 +284,7 @@ _REPORTED = tuple(f for f in dataclasses.fields(Stop) if f.name != "violation")
 _SHARED_WITH_VIOLATION = tuple(
     f.name for f in dataclasses.fields(Stop)
     if f.name in {g.name for g in dataclasses.fields(Violation)}
-    and f.name not in ("output", "created"))   # these two are derived in from_violation
+    and f.name not in ("output", "created", "inputs"))   # derived in from_violation
 
 
 class BatchStop(BaseException):

@@ -1,18 +1,28 @@
 """What a framework callback starts and stops, framework-free: the session's settings,
 the graph capture with the assertions, the watch, a recording, and the framework's step
 number on every stop. Under `python -m mldebug` the CLI has started the engines already:
-then only what is missing is started, and the CLI's are left alone."""
+then only what is missing is started, and the CLI's are left alone.
+
+Where no front end was set up (a script the framework launched), `batch` says what a stop
+does: True writes its report line and ends the fit with one `StopError` naming it
+(core/batch_end.py); False opens mldebug's prompt, also on a stdin that is not a terminal
+(commands piped in); None, the default, is True when stdin is not a terminal (a
+scheduler's job) unless a DAP client (VS Code) is attached or an IPython kernel runs it."""
 from __future__ import annotations
 
 from typing import Optional
 
 from ..assertions.scan import AlwaysOn
 from ..core import session as _session
+from ..core.batch_end import EndingPauser, prompt_answerable
+from ..core.errors import UsageError
 from ..core.break_on import parse_break_on
 from ..graph import active_capture
 from ..record import record as _record
 from ..record.recorder import active_recorder
-from ..watch import active_watch, watch_session
+from ..watch import Watch, active_watch, read_before_exception, watch_session
+
+BATCH_HINT = "batch=False on the callback opens mldebug's prompt on stdin instead"
 
 
 class Wiring:
@@ -21,15 +31,20 @@ class Wiring:
 
     def __init__(self, watch: bool = True, assertions: bool = True, record: bool = False,
                  every: int = 1, run_dir: str = "runs", run: Optional[str] = None,
-                 break_on=None, report: Optional[str] = None):
+                 break_on=None, report: Optional[str] = None, batch: Optional[bool] = None):
         # a bad break_on is a clear error when the callback is made, not at the first stop
         self.break_on = parse_break_on(break_on) if break_on is not None else None
+        if batch not in (None, True, False):
+            raise UsageError(f"batch must be None, True or False, batch={batch!r}")
+        self.batch = batch
+        self._pauser = None            # the session's pauser this wiring set
         self.watch, self.assertions, self.record = watch, assertions, record
         self.every, self.run_dir, self.run, self.report = every, run_dir, run, report
         self._started: list = []       # what this wiring started, to close in reverse
         self._session = None
 
-    def start(self, model, step: Optional[int] = None, recording: bool = True) -> None:
+    def start(self, model, step: Optional[int] = None, recording: bool = True,
+              to=None) -> None:
         """Turn on what was asked; `recording=False` leaves the recording for
         `start_recording` (Lightning restores a checkpoint's global step after fit starts)."""
         if self._started:
@@ -40,6 +55,7 @@ class Wiring:
         if self.report:
             session.add_listener(_session.ReportWriter(self.report, session.out))
         session.step = step
+        self._set_pauser(session)
         try:
             if active_capture() is None:       # the graph capture; the assertions on it
                 self._started.append(AlwaysOn(
@@ -48,18 +64,19 @@ class Wiring:
                                                                              "inf-all"}:
                 self._started.append(watch_session(session))
             if recording:
-                self.start_recording(model, step)
+                self.start_recording(model, step, to=to)
         except BaseException:
             self.close()
             raise
 
-    def start_recording(self, model, step: Optional[int] = None) -> None:
+    def start_recording(self, model, step: Optional[int] = None, to=None) -> None:
+        """The recording, with a live copy into TO (`record(to=)`: the trainer's logger)."""
         if self.record and model is not None and active_recorder() is None:
             # its steps count the optimizer's steps from the framework's global step (a
             # resumed run goes on numbering where it was)
             try:
                 self._started.append(_record(model, every=self.every, run_dir=self.run_dir,
-                                             run=self.run, first_step=step or 0))
+                                             run=self.run, first_step=step or 0, to=to))
             except BaseException:
                 self.close()
                 raise
@@ -69,6 +86,42 @@ class Wiring:
         if self._session is not None:
             self._session.step = number
 
-    def close(self) -> None:
+    def _set_pauser(self, session) -> None:
+        """What a stop does where no front end was set up (see the module's docstring)."""
+        if session.pauser is not None or session.batch:
+            return                          # the CLI's, a notebook's, pytest's, DAP's
+        from ..dap import DapPauser, debugger_active
+        batch = self.batch
+        if batch is None:
+            batch = not prompt_answerable() and not debugger_active()
+        if batch:
+            self._pauser = EndingPauser(session, hint=BATCH_HINT)
+        elif self.batch is False:           # the prompt, whatever stdin is
+            if debugger_active():
+                self._pauser = DapPauser(session)
+            else:
+                from ..debugger import get_debugger
+                self._pauser = get_debugger(session).pause_at
+        if self._pauser is not None:
+            session.pauser = self._pauser
+
+    def read_before(self, exc: BaseException) -> None:
+        """Before the fit ends with EXC: what the watch still holds, judged first (its
+        stop names EXC: watch/before_exception.py)."""
+        for engine in self._started:
+            if isinstance(engine, Watch):
+                read_before_exception(exc, engine)
+
+    def close(self, after_error: bool = False) -> None:
+        """Close what was started. AFTER_ERROR: the fit ends with an exception (a stop's
+        StopError among them): what the watch still holds is not judged then (a stop
+        there would hide the error the fit ends with)."""
         while self._started:
-            self._started.pop().close()
+            engine = self._started.pop()
+            if after_error and isinstance(engine, Watch):
+                engine.close(_flush=False)
+            else:
+                engine.close()
+        session, pauser, self._pauser = self._session, self._pauser, None
+        if pauser is not None and session is not None and session.pauser is pauser:
+            session.pauser = None

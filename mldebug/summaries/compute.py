@@ -13,6 +13,7 @@ try:
 except ImportError:  # numpy-only use: summaries keep shape/dtype, stats say unavailable
     torch = None
 
+from ..core.quiet import own_call
 from .tensor_summary import HIST_BINS, VALUES_MAX, TensorSummary, _err, keep_source, short_dtype
 
 HIST_EXACT_MAX = 1 << 18   # above this many elements the histogram is of a strided sample ...
@@ -23,6 +24,7 @@ CANCEL = 1e-3              # Σx² - (Σx)²/n below this fraction of Σx²: rec
 
 
 # ---------------------------------------------------------------------------------- summary
+@own_call     # (the NaN watch looks away: a look at a NaN is no stop, core/quiet.py)
 def summary(x) -> TensorSummary:
     """Summarise a torch tensor, numpy array or numpy scalar. Never raises, never modifies x."""
     try:

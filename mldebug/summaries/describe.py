@@ -12,6 +12,7 @@ try:
 except ImportError:  # numpy-only use: summaries keep shape/dtype, stats say unavailable
     torch = None
 
+from ..core.quiet import own_call
 from .compute import _is_fake, summary
 from .tensor_summary import (_bytes, _err, _safe_repr, _shape, format_number,
                              short_dtype)
@@ -22,6 +23,7 @@ REPR_MAX = 2000            # characters of repr() that describe shows for other 
 
 
 # ---------------------------------------------------------------------------------- describe
+@own_call     # (the NaN watch looks away, core/quiet.py)
 def describe(obj, name: Optional[str] = None) -> str:
     """The text `inspect EXPR` prints for any object. Never raises."""
     try:

@@ -54,6 +54,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..core.quiet import own_call
+
 try:
     import torch
 except ImportError:  # numpy-only use: summaries keep shape/dtype, stats say unavailable
@@ -136,6 +138,7 @@ class TensorSummary:
         d["grad"] = self.grad.to_dict() if self.grad is not None else None
         return d
 
+    @own_call   # (a heatmap of a NaN is no stop: the NaN watch looks away)
     def _repr_html_(self) -> str:
         """Jupyter's rich display: the line, a histogram, a heatmap of a 2-D value (html.py)."""
         from .html import summary_html   # only a notebook asks

@@ -28,6 +28,7 @@ from typing import Optional
 
 from ..core import session as _session
 from ..core.callable_module import make_callable
+from ..core.quiet import looking_away
 from . import data as _data
 from . import state as _state
 from .prompt import prompt_loop as _prompt_loop
@@ -99,7 +100,9 @@ def inspect(x, name: Optional[str] = None, wait: bool = False):
               file=_sys.stderr, flush=True)
         return x
     hub = _state.hub()
-    hub.add(x, name or _call_argument(caller) or f"value {len(hub.entries) + 1}", "inspect")
+    with looking_away():     # (its summary of a NaN is no stop: core/quiet.py)
+        hub.add(x, name or _call_argument(caller) or f"value {len(hub.entries) + 1}",
+                "inspect")
     if wait:
         print(f"mldebug: waiting for Continue in the browser view: {address}",
               file=_sys.stderr, flush=True)

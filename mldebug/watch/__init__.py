@@ -24,6 +24,12 @@ The stop rule
     fp16 overflow). An Inf written deliberately as a constant (`masked_fill(..., -inf)`,
     `full`, `fill_`, `torch.where` with an inf scalar, any op with an inf scalar argument)
     or merely flowing on from an input (scores + (-inf) mask) is not a stop.
+    A NaN or Inf the program writes on purpose (`x[mask] = nan`, `fill_`, `masked_fill`,
+    `full`, `index_fill`, `torch.where(c, x, nan)`, a `torch.tensor([...])` literal) is
+    not a stop where it is written nor where it flows on; it is a stop where it first
+    reaches a model call (a NaN among an outermost module call's arguments), the loss,
+    a gradient or a parameter, pointing at the line that wrote it (marks.py). A NaN
+    read from a file, made from numpy or by a DataLoader came in with the data: above.
     With 'inf-all' in break_on every Inf is a stop: created, written as a constant or
     coming in from outside (but, like NaN, not when it merely flows on from an Inf
     already judged).
@@ -92,13 +98,22 @@ from __future__ import annotations
 
 from ..core.callable_module import make_callable
 from . import core as _core
+from . import before_exception as _before_exception
 from .core import Allowed, Watch, active_watch, allow, watch_session  # noqa: F401
 from .device_window import WINDOW_MAX  # noqa: F401
 
-__all__ = ["watch", "allow", "Watch", "Allowed", "active_watch", "watch_session", "WINDOW_MAX"]
+__all__ = ["watch", "allow", "Watch", "Allowed", "active_watch", "watch_session", "WINDOW_MAX",
+           "read_before_exception"]
 
 
 # `mldebug.watch` is both this package and the function that starts a watch:
 # `mldebug.watch(...)`, `from mldebug.watch import watch` and `mldebug.watch.active_watch()`
 # all work, in any import order (core/callable_module.py)
 watch = make_callable(__name__, _core.watch)
+
+
+def read_before_exception(exc: BaseException, watch=None) -> bool:
+    """Before EXC is reported: judge what WATCH (the active watch) still holds; a stop
+    found is the first stop, naming EXC as what it led to (watch/before_exception.py)."""
+    return _before_exception.read_before_exception(
+        exc, watch if watch is not None else active_watch())

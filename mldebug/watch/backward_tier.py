@@ -34,7 +34,11 @@ class BackwardTier:
         runs backward there) pause on this thread, at the user's `backward()` line."""
         if cuda_graph_aside():   # a backward captured into a CUDA graph: not looked into
             return proceed(tensors, grad_tensors, *args, **kwargs)
-        self._amp.begin([tensors] if isinstance(tensors, Tensor) else list(tensors))
+        roots = [tensors] if isinstance(tensors, Tensor) else list(tensors)
+        if self._marks and not self._skip and _get_ident() == self._owner \
+                and not self._t.replaying:
+            self._check_loss_marks(roots)   # a NaN/Inf written on purpose: not in a loss
+        self._amp.begin(roots)
         try:
             result = self._tiered_backward(proceed, tensors, grad_tensors, args, kwargs)
         finally:
@@ -77,8 +81,9 @@ class BackwardTier:
         n0 = len(self.violations)
         armed = self._arm_output_sentinels(roots, targets)
         if not armed:
-            if self._ledger:
+            if self._ledger or self._win:
                 self._read_ledger()   # the dry run judges now: what came before, first
+                self._check_loss_marks(roots)    # (a constant written in the loss: marks.py)
             t.read_now += 1
             try:
                 with _replay.replaying():
@@ -171,6 +176,8 @@ class BackwardTier:
         """A judge of the ledger (always run): the gradients' verdict, a replay of the
         model's backward for a bad one (`_pin_backward`)."""
         t = self._t
+        if values is not None and self._marks:
+            self._check_loss_marks(roots, site=("", 0, ""))   # (the loss, judged by now)
         loss_bflag, bflag = checks.loss_bflag, checks.bflag
         found = first_bad_entry(values, checks.loss_slots) if loss_bflag is None else None
         if found is not None:
@@ -281,20 +288,23 @@ class BackwardTier:
         backward meets them in that order) until one stops."""
         n0, j0 = len(self.violations), self._judged
         reasons = []
+        self._flowed_mark = None
         try:
             for call in reversed(calls):
                 if call.grads:
                     reason = self._replay(call.module, call.args, call.kwargs,
                                           (call.cpu_rng, call.cuda_rng), call.autocast,
-                                          call.grads, shown=call.shown)
+                                          call.grads, shown=call.shown, site=call.site)
                     if reason:
                         reasons.append(reason)
                     if len(self.violations) > n0:
                         break
         finally:
             stopped = len(self.violations) > n0
+            # (a value written on purpose that flowed into them: the step's check says so)
+            flowed = None if stopped else self._flowed_mark
             for p, c in bad:
-                self._taint_add(p.grad, c[0] > 0, c[1] + c[2] > 0, stopped)
+                self._taint_add(p.grad, c[0] > 0, c[1] + c[2] > 0, stopped, mark=flowed)
         if stopped or self._judged > j0:
             return
         if not new:

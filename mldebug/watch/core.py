@@ -10,6 +10,7 @@ What a `Watch` does is spread over mixins, one per concern (each module says mor
   module_tier.py    inside module calls: output sentinels, replay of a flagged call
   backward_tier.py  around `loss.backward()`: loss region, gradient sentinels, replay
   optimizer_tier.py around `optimizer.step()`: the step read, parameters and state after
+  marks.py          NaN/Inf the program writes on purpose: where they must not go
 
 By default the per-op check runs only outside module calls (data handling, the loss):
 inside them, in backward and in the optimizer step the mode is off the stack and cheaper
@@ -51,6 +52,7 @@ from .context import ModuleNames
 from .device_window import DeviceWindow
 from .graph_replays import GraphReplays
 from .dispatch import _OP_INFOS, PerOpCheck, _Mode, _skip_dynamo
+from .marks import WrittenMarks
 from .module_tier import ModuleTier
 from .optimizer_tier import OptimizerTier
 from .step_ledger import DeviceReads, StepLedger, cuda_graph_aside, memory_addresses
@@ -107,7 +109,7 @@ def active_watch():
 
 
 class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, BackwardTier,
-            OptimizerTier, CompiledBoundary, GraphReplays):
+            OptimizerTier, CompiledBoundary, GraphReplays, WrittenMarks):
     """A running numerics watch. Use as a context manager or call `close()`.
 
     `enabled` is True while it checks ops (started, not suspended, not in a worker
@@ -156,8 +158,13 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
         self._opt_seen = False
         self._opt_stop_step = None  # optimizer step of the last optimizer-stage stop
         self._taint: dict = {}      # storage ptr -> (weakref, version, has_nan, has_inf)
+        self._marks: dict = {}      # storage ptr -> (weakref, version, Mark): of those, the
+                                    # values written on purpose or flowing from one (marks.py)
+        self._nan_marks: dict = {}  # storage ptr -> weakref: of those, the ones with a NaN
+        self._flowed_mark = None    # the Mark of the last value judged to flow from one
         self._compile_warned = False
         self._amp = LossScaling()   # GradScaler's scaled losses (amp.py)
+        self._late = None           # (frame, text) while read before an exception
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> "Watch":
@@ -280,6 +287,15 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
         return self.start()
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if isinstance(exc, Exception) and self.pending:
+            # a NaN/Inf still held (read late, on a device) before the exception it
+            # led to: its stop first (before_exception.py)
+            from .before_exception import read_before_exception
+            try:
+                read_before_exception(exc, self)
+            finally:
+                self.close(_flush=False)
+            return
         self.close(_flush=exc_type is None)
 
     @property
@@ -330,6 +346,9 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
                                     # raised a BaseException never ran its post hook)
         if top is None:
             self._names.roots.add(module)
+            if self._nan_marks and not (t.replaying or t.recomputing or self._opt_depth):
+                # a NaN written on purpose must not reach a model call (marks.py)
+                self._check_call_marks(module, args)
             if not self._compile_warned and type(module).__name__ == "OptimizedModule":
                 self._compile_note(module)
             # (a recomputation after a stop runs op by op: what it makes again is marked

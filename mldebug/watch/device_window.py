@@ -99,8 +99,8 @@ class DeviceWindow:
         # window is read (a temporary), and then nothing says where their values came from
         prior = None
         if self._taint:
-            prior = [k for k in map(self._taint_get, _tiers.flat_tensors((args, kwargs)))
-                     if k is not None]
+            prior = [k for k in map(self._known_with_mark,
+                                    _tiers.flat_tensors((args, kwargs))) if k is not None]
         # the arguments and outputs held weakly: a flat tuple of tensors and scalars (most
         # ops) without a call. With each tensor argument, the address of its memory: if it
         # is gone by the read, an earlier op of the window that wrote there tells what it
@@ -150,10 +150,14 @@ class DeviceWindow:
                 wouts = tuple(refs)
         if wouts is None:
             wouts = _weak(outs)
+        # the memory each output is in: (address, weak reference to the storage, version,
+        # whether the output covers all of it: a write into part says nothing of the rest)
         written = []
         for t in flat:
             try:
-                written.append(t.untyped_storage().data_ptr())
+                storage = t.untyped_storage()
+                written.append((storage.data_ptr(), _ref(storage), t._version,
+                                t.numel() * t.element_size() >= storage.nbytes()))
             except Exception:                # noqa: BLE001 - (a subclass without storage)
                 pass
         self._win.append((slots, func, info, wargs, wkwargs, wouts,
@@ -203,8 +207,9 @@ class DeviceWindow:
                 # in from outside the watched ops (a constant, a tensor made before the
                 # watch) passes through; the next op that could have made it says where
                 # it came in)
-                for address in written:
-                    made[address] = (value, len(self.violations) > n0)
+                for address, _, _, whole in written:
+                    if whole or value is not None:
+                        made[address] = (value, len(self.violations) > n0)
                 continue
             args = _live(wargs)
             kwargs = _live(wkwargs) if wkwargs else {}
@@ -223,15 +228,40 @@ class DeviceWindow:
                         "by its norm")
             else:
                 dtype = None
-            freed = _freed_inputs(made, memory, prior, self._taint_at)
+            freed = _freed_inputs(made, memory, prior, self._taint_at, self._mark_at)
             self._slow(func, info, args, kwargs, outs, entry, note, freed, dtype)
-            for address in written:
+            if note:
+                # judged by its norm: what was judged of it is of the op's memory too (a
+                # factory's output reaches the program as another Python object)
+                self._judged_memory(outs[0], written)
+            for address, _, _, _ in written:
                 made[address] = (value, len(self.violations) > n0)
 
+    def _judged_memory(self, norm, written):
+        """The taint (and mark) just judged of NORM, the stand-in of an op's output that
+        is gone, given to the memory the output was in (WRITTEN), where it lives on."""
+        try:
+            ptr = norm.untyped_storage().data_ptr()
+        except Exception:                    # noqa: BLE001
+            return
+        rec = self._taint.get(ptr)
+        if rec is None:
+            return
+        mark = self._marks.get(ptr) if self._marks else None
+        for address, storage_ref, version, _ in written:
+            if storage_ref() is None:
+                continue
+            self._taint[address] = (storage_ref, version, *rec[2:])
+            if mark is not None:
+                self._marks[address] = (storage_ref, version, mark[2])
+                if rec[2]:
+                    self._nan_marks[address] = storage_ref
 
-def _freed_inputs(made, memory, prior, taint_at):
+
+def _freed_inputs(made, memory, prior, taint_at, mark_at):
     """What the op's tensor arguments that are gone since held: (has NaN, has Inf,
-    descends from a stop), or None when none held a NaN/Inf (or none is gone).
+    descends from a stop, the Mark of a value written on purpose or None), or None when
+    none held a NaN/Inf (or none is gone).
 
     MEMORY: (weak reference, memory address, weak reference to the storage) of each
     argument, from the op. One gone is known by the check of the last earlier op of the
@@ -242,6 +272,7 @@ def _freed_inputs(made, memory, prior, taint_at):
     address). Else it came from outside the window's ops (a constant, a module's output)
     and was finite: a NaN/Inf there was judged where it was made, or is new here."""
     nan = inf = lineage = dead = False
+    mark = None
     for ref, address, storage_ref in memory:
         if ref() is not None:
             continue                  # (alive: the judge reads it)
@@ -251,16 +282,19 @@ def _freed_inputs(made, memory, prior, taint_at):
             storage = storage_ref()
             record = taint_at(address, storage) if storage is not None else None
             if record is not None:
-                _, _, was_nan, was_inf, was_lineage = record
+                was_nan, was_inf, was_lineage = record[2:5]
                 nan, inf, lineage = nan or was_nan, inf or was_inf, lineage or was_lineage
+                mark = mark or mark_at(address)
         elif found[0] is not None:
             value = found[0]
             nan, inf = nan or value != value, inf or value == value
             lineage = lineage or found[1]
+            mark = mark or mark_at(address)
     if dead and prior:
         nan, inf = nan or any(p[0] for p in prior), inf or any(p[1] for p in prior)
         lineage = lineage or any(p[2] for p in prior)
-    return (nan, inf, lineage) if nan or inf else None
+        mark = mark or next((p[3] for p in prior if p[3] is not None), None)
+    return (nan, inf, lineage, mark) if nan or inf else None
 
 
 def _memory_of(value, found) -> list:

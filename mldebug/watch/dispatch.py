@@ -3,17 +3,19 @@ aten op while it is on the dispatch stack (outside module calls by default; ever
 with `exact=True`).
 
 Hot path (per op, see `_Mode.__torch_dispatch__`): one dict lookup for the cached
-`OpInfo`, the op, then for each floating CPU output one reduction (`sum`) and one
-`.item()`; `math.isfinite` on the float. Ops that cannot make a NaN/Inf (`OpInfo.safe`,
-see ops.py) skip the reduction while nothing non-finite has been judged. NaN and Inf
-propagate through a sum, so a finite sum means a finite tensor; a non-finite sum (or a
-sum that merely overflowed) goes to `Watch._slow` (verdict.py), which counts exactly and
-applies the stop rule. Outputs on other devices (CUDA) are summed on the device without
-a sync and read once per window (device_window.py).
+`OpInfo`, the op, then for each floating CPU output the C bit test on its memory
+(native_check.py: no op, no read), or where that cannot read it one reduction (`sum`)
+and one `.item()`, `math.isfinite` on the float. Ops that cannot make a NaN/Inf
+(`OpInfo.safe`, see ops.py) skip the check while nothing non-finite has been judged. NaN
+and Inf propagate through a sum, so a finite sum means a finite tensor; a non-finite
+output (or a sum that merely overflowed) goes to `Watch._slow` (verdict.py), which
+counts exactly and applies the stop rule. Outputs on other devices (CUDA) are held by
+the ledger without a sync and read once per window or training step (device_window.py,
+step_ledger.py).
 
 `PerOpCheck` is mixed into `Watch` (core.py): the methods the mode calls besides the
-common single-tensor case. The mode calls them as `watch._x(...)`, one call, as before
-the split (a mixin adds no Python layer).
+common single-tensor case. The mode calls them as `watch._x(...)`, one call (a mixin
+adds no Python layer).
 """
 from __future__ import annotations
 
@@ -90,6 +92,8 @@ class _Mode(TorchDispatchMode):
             w._mark_used(args)
         if info.skip:
             op = info.op
+            if info.lifted:
+                return w._lifted(op(*args, **kwargs) if kwargs else op(*args))
             return op(*args, **kwargs) if kwargs else op(*args)
         if w._pending:
             w._attach_provenance()

@@ -14,6 +14,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
+from ..core import frames as _frames
 from ..core.errors import NonFiniteError
 from . import safe as _safe
 from . import tiers as _tiers
@@ -117,7 +118,8 @@ class ModuleTier:
         key = (id(module), tuple(c > 0 for c in counts))
         if key in t.fruitless:
             t.flag = None             # replayed before: judged, not a stop
-            self._taint_outputs(flat_tensors(output), t.fruitless[key])
+            self._taint_outputs(flat_tensors(output), t.fruitless[key],
+                                t.fruitless_marks.get(key))
             return
         kwargs = _tiers.call_kwargs(_caller(1))
         parent = record[1]
@@ -146,6 +148,8 @@ class ModuleTier:
             and _grad_enabled() and any(o.requires_grad for o in flat_tensors(output))
         if entries and not defer:
             self._read_or_defer(partial(self._flag_outputs, entries), defer=False)
+            if self._nan_marks:   # (what its arguments hold is judged now: marks.py)
+                self._check_call_marks(module, args)
         flag, t.flag = t.flag, None
         rng, t.start_rng = t.start_rng, None
         sentinels, t.last_sentinels = t.last_sentinels, []
@@ -168,7 +172,8 @@ class ModuleTier:
             return
         if kwargs is None:
             kwargs = _tiers.call_kwargs(_caller(1))
-        call = RootCall(module, args, kwargs, rng, _tiers.autocast_state(), outs)
+        call = RootCall(module, args, kwargs, rng, _tiers.autocast_state(), outs,
+                        site=_frames.location(_frames.user_frame(_caller(1))))
         call.lineage = t.done
         if len(sentinels) == len(outs):
             call.sentinels = sentinels
@@ -193,6 +198,9 @@ class ModuleTier:
         flag, done = t.flag, t.done
         t.flag, t.done = None, False
         try:
+            if self._nan_marks:   # (what its arguments hold is judged now: marks.py)
+                self._check_call_marks(call.module, call.args, call.kwargs,
+                                       getattr(call, "site", None))
             self._flag_outputs(entries, values)
             if t.flag is None:
                 return
@@ -200,13 +208,13 @@ class ModuleTier:
             outs = [o for o in (r() for r in out_refs) if o is not None]
             self._judge_flagged_root(call.module, call.args, call.kwargs,
                                      (call.cpu_rng, call.cuda_rng), outs, counts,
-                                     autocast=call.autocast, flagged=flagged)
+                                     autocast=call.autocast, flagged=flagged, site=call.site)
             call.lineage = call.lineage or t.done
         finally:
             t.flag, t.done = flag, done
 
     def _judge_flagged_root(self, module, args, kwargs, rng, outs, counts, autocast=None,
-                            flagged=None):
+                            flagged=None, site=None):
         """An outermost call whose output a sentinel flagged: judged as its pattern was
         before (a replay that found no stop), else re-run under the exact mode. FLAGGED:
         the record of the call whose output the sentinel flagged (read after the call,
@@ -214,10 +222,10 @@ class ModuleTier:
         t = self._t
         key = (id(module), tuple(c > 0 for c in counts))
         if key in t.fruitless:
-            self._taint_outputs(outs, t.fruitless[key])
+            self._taint_outputs(outs, t.fruitless[key], t.fruitless_marks.get(key))
             return
         self._replay_forward(module, args, kwargs, rng, outs, (module, None), counts, key,
-                             autocast=autocast, unpinned=flagged)
+                             autocast=autocast, unpinned=flagged, site=site)
 
     def _forget_calls(self, calls=None):
         t = self._t
@@ -247,14 +255,20 @@ class ModuleTier:
                         hit[0].use(hit[1], x)
 
     def _replay(self, module, args, kwargs, rng, autocast, grads=None, record=None,
-                shown=()) -> str:
+                shown=(), site=None) -> str:
         """Run the call again under the exact mode (and its backward from GRADS, the
         gradients of its outputs by position, to its parameters, its leaf arguments and
-        those of SHOWN, RootCall.shown); '' or why it could not run."""
+        those of SHOWN, RootCall.shown); '' or why it could not run. SITE: the user's
+        line of the call (RootCall.site), which a stop made in library code directly
+        under it names (TierState.replay_site)."""
         t = self._t
         t.replaying += 1
         t.read_now += 1
         prev_top = self._top
+        prev_site = t.replay_site
+        if site is not None and site[0]:
+            started = _frames.location(_frames.user_frame(_caller(1)))
+            t.replay_site = (started[:2], site)
         reported = len(self.violations)
         try:
             with _tiers.replay_context(rng, autocast, module), \
@@ -264,13 +278,16 @@ class ModuleTier:
                     out = module.forward(*args, **kwargs)
                 finally:
                     self._top = prev_top
-                t.replay_lineage = False
+                t.replay_lineage, t.replay_mark = False, None
                 if not grads:   # do the re-run's outputs descend from a reported stop?
                     with self._own_ops():
                         for o in flat_tensors(out):
                             known = self._taint_get(o) if _floating(o) else None
                             if known is not None and known[2]:
                                 t.replay_lineage = True
+                            elif known is not None and t.replay_mark is None:
+                                # (or from a constant written on purpose: marks.py)
+                                t.replay_mark = self._mark_get(o)
                 if grads:
                     flat = flat_tensors(out)
                     pairs = [(flat[pos], g) for pos, g in grads.items()
@@ -288,21 +305,24 @@ class ModuleTier:
             self._top = prev_top
             t.replaying -= 1
             t.read_now -= 1
+            t.replay_site = prev_site
             self._pending = []
 
     def _replay_forward(self, module, args, kwargs, rng, output, record, counts, key,
-                        autocast=None, unpinned=None):
+                        autocast=None, unpinned=None, site=None):
         t = self._t
         n0, j0 = len(self.violations), self._judged
         reason = ""
         if autocast is None:
             autocast = _tiers.autocast_state()
         try:
-            reason = self._replay(module, args, kwargs, rng, autocast, record=record)
+            reason = self._replay(module, args, kwargs, rng, autocast, record=record,
+                                  site=site)
         finally:
             stopped = len(self.violations) > n0
             lineage = stopped or t.replay_lineage
-            self._taint_outputs(flat_tensors(output), lineage)
+            mark = None if lineage else t.replay_mark
+            self._taint_outputs(flat_tensors(output), lineage, mark)
         if stopped:
             t.done = True     # what flows on from it in this call is not a new stop
             return
@@ -311,14 +331,18 @@ class ModuleTier:
             # same pattern again needs no replay, only the same judgement of its output
             if len(t.fruitless) < _tiers.MAX_PATTERNS:
                 t.fruitless[key] = lineage
+                t.fruitless_marks[key] = mark
             return
         t.done = True
         self._report_unpinned("forward", counts, record=unpinned or record, reason=reason)
 
-    def _taint_outputs(self, tensors, lineage):
+    def _taint_outputs(self, tensors, lineage, mark=None):
+        """TENSORS (a call's outputs) judged: descending from a stop (LINEAGE) or, MARK,
+        from a constant written on purpose (marks.py)."""
         with self._own_ops():
             for out in tensors:
                 if _floating(out) and _checkable(out):
                     c = _counts(out)
                     if sum(c):
-                        self._taint_add(out, c[0] > 0, c[1] + c[2] > 0, lineage)
+                        self._taint_add(out, c[0] > 0, c[1] + c[2] > 0, lineage,
+                                        mark=None if mark is None else mark.flowing())

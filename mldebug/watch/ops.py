@@ -71,6 +71,14 @@ SCALAR_OVERLOADS_EXCLUDED = frozenset({
     "aten.clamp_min.Tensor", "aten.clamp_min_.Tensor", "aten.clamp_max.Tensor",
     "aten.clamp_max_.Tensor",
 })
+# Ops whose scalar argument is a value they write (`fill_(nan)`, `masked_fill(m, -inf)`,
+# `full((n,), inf)`, `torch.where(c, x, nan)` through scalar_tensor, `F.pad(value=-inf)`):
+# a non-finite one is a constant the program writes on purpose (marks.py), not a stop
+# where it is written. (Arithmetic with a non-finite scalar, `x * nan`, is not here.)
+CONSTANT_WRITERS = frozenset({
+    "fill", "fill_", "masked_fill", "masked_fill_", "full", "full_like", "new_full",
+    "scalar_tensor", "index_fill", "index_fill_", "constant_pad_nd",
+})
 # Dtype conversions that cannot overflow: (source, destination) with destination
 # floating. Same dtype is always safe; float16/bfloat16/float8 DOWNcasts are not.
 _F8 = tuple(d for d in (getattr(torch, n, None) for n in (
@@ -169,7 +177,7 @@ class OpInfo:
     """What the watch needs to know about one overload."""
 
     __slots__ = ("name", "short", "skip", "mutated", "argnames", "kwnames", "torch_op",
-                 "op", "func", "safe", "guard", "promote", "prov")
+                 "op", "func", "safe", "guard", "promote", "prov", "lifted")
 
     def __init__(self, func):
         self.name = str(func)                         # 'aten.log.default'
@@ -199,6 +207,9 @@ class OpInfo:
             or (not returns_tensor and not self.mutated)
         )
         self.torch_op = torch_name(self.short)
+        # the tensor torch.tensor(...) (or the scalar of `x[i] = v`) makes from Python
+        # data: not checked, but a literal holding a NaN/Inf is marked (marks.py)
+        self.lifted = self.name == "aten.lift_fresh.default"
         self._classify()
 
     def _classify(self):
@@ -252,7 +263,9 @@ def torch_name(short: str) -> str:
         return f"torch.{short}"
     if short.endswith("_") and not short.endswith("__"):
         return f"Tensor.{short}"
-    for name in (short, short.lstrip("_")):
+    # 'nll_loss_forward', 'nll_loss2d_forward': F.nll_loss (F.cross_entropy calls it)
+    forward = short[:-len("_forward")].removesuffix("2d") if short.endswith("_forward") else short
+    for name in (short, short.lstrip("_"), forward):
         if hasattr(torch, name):
             return f"torch.{name}"
         if hasattr(torch.nn.functional, name):

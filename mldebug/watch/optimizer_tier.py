@@ -150,6 +150,15 @@ class OptimizerTier:
                 # non-finite before the step already, and judged then: the step carried
                 # it on (an Inf in Adam's exp_avg_sq stays Inf), no new stop every step;
                 # judged again as it is now (the next op that writes it in place sees it)
+                mark = self._mark_at(x.untyped_storage().data_ptr()) if not before[2] \
+                    else None
+                if mark is not None and not mark.stopped and reported is None:
+                    # (written there on purpose, and no stop made of it: marks.py)
+                    name = self._names.param(p, optimizer)
+                    reported = self._mark_violation(
+                        mark, f"the parameter {name}" if what == "value" else
+                        f"the optimizer state {what!r} of {name}", x, c, "optimizer",
+                        param=name, frame=_frames.user_frame(_caller(1)))
                 self._taint_add(x, c[0] > 0, c[1] + c[2] > 0, before[2])
                 continue
             bad.append((x, p, what, group, c))
@@ -192,5 +201,6 @@ class OptimizerTier:
                     c = _counts(g)
                 if sum(c):
                     known = self._taint_get(g)
-                    verdicts[id(p)] = (c, known is not None, bool(known and known[2]))
+                    verdicts[id(p)] = (c, known is not None, bool(known and known[2]),
+                                       self._mark_get(g) if known is not None else None)
         self._step_grads = verdicts

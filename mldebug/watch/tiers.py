@@ -100,10 +100,13 @@ class RootCall:
     """An outermost module call whose output needs a gradient: what a replay needs."""
 
     __slots__ = ("module", "args", "kwargs", "cpu_rng", "cuda_rng", "autocast", "outs",
-                 "grads", "used", "sentinels", "shown", "lineage", "__weakref__")
+                 "grads", "used", "sentinels", "shown", "lineage", "site", "__weakref__")
 
-    def __init__(self, module, args, kwargs, rng, autocast, outs):
+    def __init__(self, module, args, kwargs, rng, autocast, outs, site=None):
         self.module = module
+        # (file, line, function) of the user's line that made the call: a re-run found
+        # at a later read (a device's step) names it, not the read's line
+        self.site = site
         self.args = args
         self.kwargs = kwargs
         self.cpu_rng, self.cuda_rng = rng
@@ -238,10 +241,16 @@ class TierState:
         self.device_grad_slots: list = []  # (ledger slot, record) of output gradients
         self.opt_popped = False      # the optimizer step runs without the exact mode
         self.replay_lineage = False  # the last re-run's outputs descend from a stop
+        self.replay_mark = None      # ... or from a constant written on purpose (marks.py)
+        self.fruitless_marks: dict = {}  # flag pattern -> that Mark, of `fruitless` ones
         self.recomputing: list = []  # modules whose forward runs again inside backward
                                      # (torch.utils.checkpoint's recomputation)
         self.shown: dict = {}        # the running outermost call's RootCall.shown, by id
         self.shown_ok = False        # its parameter gradients are this process's own
+        # a re-run's (where it was started, the call's own line): an op of the re-run
+        # whose innermost user line is where the re-run started ran in library code
+        # (torch's modules) right under the call, and was made at the call's line
+        self.replay_site = None
 
 
 def mode_on_top(mode) -> bool:

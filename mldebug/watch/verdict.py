@@ -23,11 +23,13 @@ from ..core.errors import NonFiniteError
 from ..core.records import Violation
 from ..core.session import current
 from . import data_origin as _data_origin
+from . import hints as _hints
 from . import tiers as _tiers
-from .amp import SCALER_OPS
+from .amp import SCALER_OPS, stays_unscaled
 from .checks import (_ALLOWED, METADATA_KEY, _caller, _counts, _floating, _isfinite,
                      _summary)
-from .ops import argument_name, matches
+from .marks import Mark
+from .ops import CONSTANT_WRITERS, argument_name, matches
 
 _current_node = torch._C._current_autograd_node
 _get_ident = threading.get_ident
@@ -132,7 +134,9 @@ class Verdict:
         except Exception:  # inference tensors have no version counter
             return None
 
-    def _taint_add(self, t, has_nan, has_inf, lineage):
+    def _taint_add(self, t, has_nan, has_inf, lineage, mark=None):
+        """Remember `t`'s non-finite values as judged; MARK: they were written on purpose
+        or flow from such a write (marks.py)."""
         try:
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
@@ -141,7 +145,14 @@ class Verdict:
             return
         if len(self._taint) > 4096:
             self._prune_taint()
-        self._taint[ptr] = (ref, self._version(t), has_nan, has_inf, lineage)
+        version = self._version(t)
+        self._taint[ptr] = (ref, version, has_nan, has_inf, lineage)
+        if mark is not None and not lineage:
+            self._marks[ptr] = (ref, version, mark)
+            if has_nan:
+                self._nan_marks[ptr] = ref
+        elif self._marks:
+            self._forget_mark(ptr)
 
     def _taint_at(self, address, storage=None):
         """The taint record (storage ref, version, has_nan, has_inf, lineage) of the memory
@@ -158,6 +169,9 @@ class Verdict:
     def _prune_taint(self) -> None:
         """Drop the records of non-finite tensors whose memory is gone."""
         self._taint = {k: r for k, r in self._taint.items() if r[0]() is not None}
+        if self._marks:
+            self._marks = {k: r for k, r in self._marks.items() if r[0]() is not None}
+            self._nan_marks = {k: r for k, r in self._nan_marks.items() if r() is not None}
 
     def _taint_of_storage(self, t):
         """(has_nan, has_inf, lineage) judged of `t`'s memory at any earlier version."""
@@ -202,11 +216,15 @@ class Verdict:
         out_nan = nan > 0
         self._judged += 1
         mutated_keys = {key for key, _ in info.mutated}
-        rows = []              # (label, value, has_nan, has_inf, known, lineage)
+        # (label, value, has_nan, has_inf, known, lineage, mark, written): MARK the Mark of
+        # a value written on purpose or flowing from one (marks.py); WRITTEN: the very
+        # constant written (a scalar argument, a literal not read yet)
+        rows = []
+        written = None         # the Mark of this op's non-finite scalar argument
         for label, value, key in self._inputs(info, args, kwargs, list_index):
             if isinstance(value, Tensor):
                 if not value.is_floating_point() or value.is_complex():
-                    rows.append((label, value, False, False, True, False))
+                    rows.append((label, value, False, False, True, False, None, False))
                     continue
                 if key in mutated_keys:
                     # the op wrote this input (the output itself, or another argument it
@@ -215,24 +233,40 @@ class Verdict:
                     # taint of an earlier judged op (finite otherwise)
                     prior = self._taint_get(value)
                     has_nan, has_inf, lineage = prior if prior else (False, False, False)
-                    rows.append((label, value, has_nan, has_inf, True, lineage))
+                    mark = self._mark_get(value) if prior else None
+                    if mark is not None and mark.stopped:
+                        lineage, mark = True, None     # (a stop was made of it)
+                    rows.append((label, value, has_nan, has_inf, True, lineage, mark, False))
                     continue
                 c = _counts(value)
                 has_nan, has_inf = c[0] > 0, c[1] + c[2] > 0
-                known, lineage = True, False
+                known, lineage, mark = True, False, None
                 if has_nan or has_inf:
                     prior = self._taint_get(value)
                     known = prior is not None and (prior[0] or not has_nan)
                     lineage = bool(prior and prior[2])
-                rows.append((label, value, has_nan, has_inf, known, lineage))
-            elif isinstance(value, float) and not _isfinite(value):
+                    mark = self._mark_get(value) if known else None
+                    if mark is not None and mark.stopped:
+                        lineage, mark = True, None     # (a stop was made of it)
+                rows.append((label, value, has_nan, has_inf, known, lineage, mark,
+                             mark is not None and mark.written))
+            elif isinstance(value, float) and not _isfinite(value) \
+                    and info.short not in CONSTANT_WRITERS:
                 rows.append((f"{label} = {value}", value, value != value,
-                             value == value, False, False))
+                             value == value, False, False, None, False))
+            elif isinstance(value, float) and not _isfinite(value):
+                # a constant the program writes (fill, masked_fill, full): known
+                if written is None:
+                    written = Mark(*self._op_location(stage, node_prov, here, frame))
+                rows.append((f"{label} = {value}", value, value != value,
+                             value == value, True, False, written, True))
             else:
-                rows.append((label, value, False, False, True, False))
+                rows.append((label, value, False, False, True, False, None, False))
         if freed is not None:
+            stopped = freed[3] is not None and freed[3].stopped
+            mark = None if stopped else freed[3]
             rows.append(("an input freed before the window was read", None, *freed[:2],
-                         True, freed[2]))
+                         True, freed[2] or stopped, mark, mark is not None and mark.written))
 
         any_nan = any(r[2] for r in rows)
         nonfinite = [r for r in rows if r[2] or r[3]]
@@ -265,19 +299,41 @@ class Verdict:
                 stop = "inf" in self.break_on
             else:
                 created = False
-                unknown = [r for r in nonfinite if not r[4]]
+                # (with inf-all a constant written is a stop where it is written)
+                unknown = [r for r in nonfinite if not r[4] or r[7]]
                 if unknown and "inf-all" in self.break_on:
                     stop = True
                     culprit, culprit_value = unknown[0][0], unknown[0][1]
         if stop and stage == "optimizer" and self._opt_stop_step == self._steps:
             stop = False   # one stop per optimizer step: the other parameters follow
         if stop and (info.name.startswith(SCALER_OPS) or (
-                stage == "backward" and self._amp.excuses(dtype or bad.dtype))):
+                stage == "backward" and self._amp.excuses(
+                    dtype or bad.dtype,
+                    self._unscaled_check(info, args, kwargs, created and not nonfinite)))):
             stop = False   # a loss scaler's overflow: GradScaler skips this step
         if stop and stage == "backward":
             text = self._amp.with_note(text)
+        # a value written on purpose flows on: no stop, unless it reaches a gradient, a
+        # parameter or the optimizer's state (marks.py)
+        mark = None if created or stop or lineage else next(
+            (r[6] for r in nonfinite if r[6] is not None), None)
+        reached = ""
+        if mark is not None:
+            # (an Inf may flow through backward's own steps, exp(-inf - lse) in logsumexp's:
+            # what reaches a parameter's gradient is seen at the optimizer's step)
+            if stage == "backward" and out_nan:
+                reached = "a gradient"
+            elif stage == "optimizer":
+                reached = "the optimizer's step"
+            elif stage == "forward" and _data_origin._is_parameter(bad):
+                reached = "a parameter"
+            stop = bool(reached) and (kind in self.break_on or "inf-all" in self.break_on) \
+                and not (stage == "optimizer" and self._opt_stop_step == self._steps)
+        if mark is not None and not stop:
+            self._flowed_mark = mark       # (a re-run's gradients carry it: backward_tier)
         # everything judged here is known from now on: propagation is not a new stop
-        self._taint_add(bad, out_nan, posinf + neginf > 0, stop or lineage)
+        self._taint_add(bad, out_nan, posinf + neginf > 0, stop or lineage,
+                        mark=None if mark is None else mark.flowing())
         for r in nonfinite:
             if not r[4] and isinstance(r[1], Tensor):
                 self._taint_add(r[1], r[2], r[3], False)
@@ -306,6 +362,12 @@ class Verdict:
             return None
         if stage == "optimizer":
             self._opt_stop_step = self._steps
+        if reached:
+            return self._mark_violation(
+                mark, reached, bad, counts, stage, module, module_type, param, frame=frame,
+                op=info.name, torch_op=torch_op, node=node_name,
+                inputs=[(label, _summary(value) if isinstance(value, Tensor) else repr(value))
+                        for label, value, *_ in rows])
         v = Violation(
             kind=kind, op=info.name, torch_op=torch_op, module=module,
             module_type=module_type, stage=stage, frame=frame, file=file, line=line,
@@ -316,9 +378,33 @@ class Verdict:
             param=param, node=node_name,
             step=self._steps if self._opt_seen else None, text=text,
         )
+        with self._own_ops():       # (read once, at the stop: what the hints need)
+            v.evidence = _hints.gather(info, args, kwargs, rows, bad, stage, here is None)
         if stage == "forward" and culprit_value is not None:
             self._name_the_data(v, culprit_value)
         return v
+
+    @staticmethod
+    def _op_location(stage, node_prov, here, frame):
+        """(file, line, function) of the op being judged, as its stop would name it."""
+        if stage == "backward" and node_prov is not None:
+            return node_prov[1], node_prov[2], node_prov[3]
+        if here is not None:
+            return here
+        return _frames.location(frame)
+
+    def _unscaled_check(self, info, args, kwargs, from_finite):
+        """For GradScaler's verdict (amp.py): whether the op that made this non-finite
+        gradient from finite inputs makes one without the scale too; None where that is
+        not the question (an input already non-finite: an overflow before it) or cannot
+        be asked (an op that writes its input)."""
+        if not from_finite or info.mutated:
+            return None
+
+        def unscaled(scale):
+            with self._own_ops():
+                return stays_unscaled(info.func, args, kwargs, scale)
+        return unscaled
 
     @staticmethod
     def _name_the_data(v, value) -> None:
@@ -337,21 +423,33 @@ class Verdict:
         """The stop rule for a parameter (or its state) that the step left non-finite.
         GRAD: LIVE_GRAD while the step's gradient is `p.grad`; read later (a device's
         step read), what the read before the step found of it ((counts, judged, from a
-        stop) or None: finite). WHERE: (file, line, function) of the step when it is not the frame's."""
+        stop, Mark or None) or None: finite). WHERE: (file, line, function) of the step
+        when it is not the frame's."""
         nan, posinf, neginf = counts
         kind = "nan" if nan else "inf"
+        mark = None
         if grad is LIVE_GRAD:
             grad = p.grad
             grad_counts = _counts(grad) if isinstance(grad, Tensor) and _floating(grad) \
                 else (0, 0, 0)
             judged = bool(sum(grad_counts)) and self._taint_get(grad) is not None
+            mark = self._mark_get(grad) if judged else None
         else:
             grad_counts, judged = grad[:2] if grad is not None else ((0, 0, 0), False)
+            mark = grad[3] if grad is not None and len(grad) > 3 else None
             grad = ("non-finite" if sum(grad_counts) else "finite") + \
                 " when read before the step"
         created = not sum(grad_counts)
         unjudged = False
         if not created:
+            if judged and mark is not None and not mark.stopped \
+                    and self._opt_stop_step != self._steps:
+                # a gradient written on purpose (`p.grad[m] = nan`): into the parameter
+                name = self._names.param(p, optimizer)
+                self._opt_stop_step = self._steps
+                return self._mark_violation(
+                    mark, f"the parameter {name} in {type(optimizer).__name__}.step", x,
+                    counts, "optimizer", param=name, frame=_frames.user_frame(_caller(3)))
             if judged:
                 return None                 # it flows on from a gradient already judged
             # a gradient no check judged: made by the backward of layers whose gradients
@@ -433,6 +531,20 @@ class Verdict:
 
     # -- reporting -------------------------------------------------------------------
     def _report(self, v) -> None:
+        site = self._t.replay_site
+        if site is not None and v.line == site[0][1] and \
+                _same_file(v.file, site[0][0]):
+            # made in library code right under a re-run call: at the call's own line
+            if site[1][:2] != site[0]:
+                v.read_later = True     # (re-run at a later read: a device's step)
+            v.file, v.line, v.function = site[1]
+        _hints.explain(v, self)     # the cause in words, when the catalogue knows it
+        if self._late is not None:
+            # read before an exception is reported (before_exception.py): the program
+            # has left the line; pause where the exception was raised, and name it
+            if self._late[0] is not None:
+                v.frame = self._late[0]
+            v.then, v.read_later = self._late[1], True
         self.violations.append(v)
         if self.action == "raise":
             self._after_escape(v, exception_type=NonFiniteError)
@@ -477,3 +589,8 @@ class Verdict:
                 v.frame = frame
             self.violations.remove(v)
             self._report(v)
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Two code locations' files are one ('' for none: no user frame on the stack)."""
+    return a == b or bool(a and b) and os.path.abspath(a) == os.path.abspath(b)

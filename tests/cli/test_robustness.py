@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from conftest import clean_env, marker_line, read_report, run_cli
 
 
@@ -44,19 +46,49 @@ def test_inspect_at_a_breakpoint_does_not_eat_the_real_stop(write_program, tmp_p
     assert stops[1]["op"] == "aten.mul.Tensor" and stops[1]["line"] == marker_line(prog)
 
 
+WATCHED_SCRIPT = """
+    import torch, mldebug
+    with mldebug.watch():
+        y = torch.log(torch.zeros(2))  # here
+    print("after", y)
+"""
+
+
 def test_watch_from_python_without_the_cli_pauses_at_the_prompt(write_program):
-    prog = write_program("""
-        import torch, mldebug
-        with mldebug.watch():
-            y = torch.log(torch.zeros(2))  # here
-        print("after", y)
-    """)
-    result = subprocess.run([sys.executable, str(prog)], input="p 6 * 7\nc\n",
+    pexpect = pytest.importorskip("pexpect")
+    prog = write_program(WATCHED_SCRIPT)
+    child = pexpect.spawn(sys.executable, [str(prog)], env=clean_env(MLDEBUG_PLAIN="1"),
+                          encoding="utf-8", timeout=120)
+    child.expect(r"\(mldebug\)")
+    screen = child.before
+    child.sendline("p 6 * 7")
+    child.expect("42")
+    child.sendline("c")
+    child.expect(pexpect.EOF)
+    screen += child.before
+    child.close()
+    assert child.exitstatus == 0, screen
+    assert f"> {prog}({marker_line(prog)})<module>()" in screen
+    assert "after tensor([-inf, -inf])" in screen
+
+
+def test_watch_from_python_without_a_terminal_ends_at_the_stop_in_a_few_lines(write_program):
+    """No terminal (stdin /dev/null, a scheduler's job): no prompt can be answered, so the
+    stop's report line, then one StopError with the program's own frames; exit 1."""
+    prog = write_program(WATCHED_SCRIPT)
+    result = subprocess.run([sys.executable, str(prog)], stdin=subprocess.DEVNULL,
                             capture_output=True, text=True, env=clean_env())
-    assert result.returncode == 0, result.stderr
-    assert f"> {prog}({marker_line(prog)})<module>()" in result.stdout
-    assert "(mldebug) 42" in result.stdout
-    assert "after tensor([-inf, -inf])" in result.stdout
+    assert result.returncode == 1
+    line = marker_line(prog)
+    report = (f"mldebug: stop: 2 -Inf from aten.log.default (torch.log) at prog.py:{line} "
+              "[forward]; this op made it from finite inputs")
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith(report)
+    assert lines[1] == "Traceback (the program's frames, most recent call last):"
+    assert f'File "{prog}", line {line}, in <module>' in lines[2]
+    assert f"mldebug.core.errors.StopError: {lines[0]}" in lines
+    assert len(lines) <= 8 and "BdbQuit" not in result.stderr, lines
+    assert "after" not in result.stdout
 
 
 def test_batch_stop_stands_even_if_the_program_catches_base_exception(write_program):

@@ -1,11 +1,15 @@
 """The framework callbacks, in runs launched by the framework itself (plain `python`, no
 `python -m mldebug`), as a user who cannot change the entry point runs them: the
 examples stop at their bug, in the user's method, with the framework's step; a clean
-run with the callback computes the same bits as without it; `report=` writes the stops."""
+run with the callback computes the same bits as without it; `report=` writes the stops.
+Without a terminal (a scheduler's job) a stop ends the fit with one StopError naming it."""
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
+
+import pytest
 
 from conftest import REPO, clean_env, marker_line, read_report
 
@@ -20,6 +24,9 @@ LIGHTNING = """
     from mldebug.integrations.lightning import MLDebugCallback
 
     mode, report = sys.argv[1], sys.argv[2]
+    # "prompt": commands piped in are read at the stop (a stdin that is not a terminal
+    # ends the fit at the stop by default)
+    batch = False if sys.argv[3:] == ["prompt"] else None
 
 
     class Model(L.LightningModule):
@@ -41,7 +48,7 @@ LIGHTNING = """
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
     model = Model()
-    callbacks = [] if mode == "plain" else [MLDebugCallback(report=report)]
+    callbacks = [] if mode == "plain" else [MLDebugCallback(report=report, batch=batch)]
     trainer = L.Trainer(max_epochs=1, accelerator="cpu", logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=callbacks)
@@ -55,33 +62,52 @@ def _python(args, stdin=""):
                           text=True, env=clean_env(), timeout=300)
 
 
+def _on_a_terminal(args, typed: str):
+    """`python ARGS` in a pseudo-terminal, as a person runs it, with TYPED typed ahead:
+    (exit status, all the terminal showed)."""
+    pexpect = pytest.importorskip("pexpect")
+    child = pexpect.spawn(sys.executable, [str(a) for a in args], env=clean_env(MLDEBUG_PLAIN="1"),
+                          encoding="utf-8", timeout=300, dimensions=(40, 200))
+    child.logfile_read = io.StringIO()
+    child.send(typed)
+    child.expect(pexpect.EOF)
+    child.close()
+    return child.exitstatus, child.logfile_read.getvalue().replace("\r\n", "\n")
+
+
+def _without_a_terminal(args):
+    """`python ARGS` with stdin closed to input (/dev/null), as a scheduler runs a job."""
+    return subprocess.run([sys.executable, *map(str, args)], stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, env=clean_env(), timeout=300)
+
+
 def _stop_line(out: str) -> str:
     return next(line for line in out.splitlines() if line.startswith("mldebug: "))
 
 
 def test_the_lightning_example_stops_in_training_step_at_its_step():
     example = EXAMPLES / "lightning_callback.py"
-    result = _python([example], stdin="why\n" + "c\n" * 4)
-    assert result.returncode == 0, result.stderr
+    status, screen = _on_a_terminal([example], "why\n" + "c\n" * 4)
+    assert status == 0, screen
     line = marker_line(example, "the bug: log of 0")
-    assert _stop_line(result.stdout).startswith(
+    assert _stop_line(screen).startswith(
         f"mldebug: 1 -Inf from aten.log.default (torch.log) at lightning_callback.py:{line} "
         "[forward, step 3]")
-    assert f"> {example}({line})training_step()" in result.stdout
-    assert "root cause: this op made the non-finite value from finite inputs" in result.stdout
-    assert "trained 8 steps" in result.stdout              # `c` ran the fit to its end
+    assert f"> {example}({line})training_step()" in screen
+    assert "root cause: this op made the non-finite value from finite inputs" in screen
+    assert "trained 8 steps" in screen                     # `c` ran the fit to its end
 
 
 def test_the_transformers_example_stops_in_compute_loss_at_its_step():
     example = EXAMPLES / "transformers_callback.py"
-    result = _python([example], stdin="c\n" * 6)
-    assert result.returncode == 0, result.stderr
+    status, screen = _on_a_terminal([example], "c\n" * 6)
+    assert status == 0, screen
     line = marker_line(example, "the bug: 0 / 0")
-    assert _stop_line(result.stdout).startswith(
+    assert _stop_line(screen).startswith(
         f"mldebug: 1 +Inf from aten.div.Tensor (torch.div) at transformers_callback.py:{line} "
         "[forward, step 2]")
-    assert f"> {example}({line})compute_loss()" in result.stdout
-    assert "trained 4 steps" in result.stdout
+    assert f"> {example}({line})compute_loss()" in screen
+    assert "trained 4 steps" in screen
 
 
 def test_the_lightning_callback_changes_no_bit_and_reports_its_stops(write_program, tmp_path):
@@ -94,12 +120,51 @@ def test_the_lightning_callback_changes_no_bit_and_reports_its_stops(write_progr
     assert clean.stdout.splitlines()[-1] == plain.stdout.splitlines()[-1]    # the same bits
     assert not report.exists() or read_report(report) == []
     report = tmp_path / "bug.jsonl"
-    buggy = _python([prog, "bug", report], stdin="c\n" * 6)
+    buggy = _python([prog, "bug", report, "prompt"], stdin="c\n" * 6)
     first = read_report(report)[0]
     assert (first["reason"], first["stage"], first["step"]) == ("inf", "forward", 2)
     assert (first["file"], first["line"], first["function"]) == (str(prog), marker_line(prog),
                                                                  "training_step")
     assert "weights" in buggy.stdout                        # `c` goes on to the end
+
+
+def _traceback_of_the_stop(stderr: str) -> list:
+    """The lines stderr shows from the stop's report line on."""
+    lines = stderr.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("mldebug: stop: "))
+    return lines[start:]
+
+
+def test_a_stop_in_a_lightning_run_without_a_terminal_ends_the_fit_with_one_clear_error(
+        write_program, tmp_path):
+    """A scheduler's job (stdin /dev/null): the stop's report line, then the fit ends with
+    one StopError naming it, the program's own frames only (no BdbQuit, no 100 lines
+    through Lightning's loops); the report file has the stop."""
+    prog = write_program(LIGHTNING)
+    report = tmp_path / "bug.jsonl"
+    result = _without_a_terminal([prog, "bug", report])
+    assert result.returncode == 1
+    tail = _traceback_of_the_stop(result.stderr)
+    assert tail[0].startswith("mldebug: stop: 3 +Inf and 13 -Inf from aten.div.Tensor "
+                              f"(torch.div) at prog.py:{marker_line(prog)} [forward, step 2]")
+    assert tail[1] == "Traceback (the program's frames, most recent call last):"
+    assert f'File "{prog}", line {marker_line(prog)}, in training_step' in "\n".join(tail)
+    error = [line for line in tail if line.startswith("mldebug.core.errors.StopError: ")]
+    assert error == [f"mldebug.core.errors.StopError: {tail[0]}"]
+    assert len(tail) <= 12, tail
+    assert "BdbQuit" not in result.stderr and "lightning/pytorch" not in "\n".join(tail)
+    assert "weights" not in result.stdout                   # the fit ended there
+    (stop,) = read_report(report)
+    assert (stop["reason"], stop["step"], stop["line"]) == ("inf", 2, marker_line(prog))
+
+
+def test_batch_true_ends_the_fit_at_the_stop_even_with_commands_piped_in(write_program,
+                                                                         tmp_path):
+    prog = write_program(LIGHTNING.replace("batch = False if", "batch = True if"))
+    result = _python([prog, "bug", tmp_path / "r.jsonl", "prompt"], stdin="c\n" * 6)
+    assert result.returncode == 1
+    assert "mldebug.core.errors.StopError: mldebug: stop: 3 +Inf" in result.stderr
+    assert "(mldebug)" not in result.stdout and "weights" not in result.stdout
 
 
 RESUMED = """
@@ -155,6 +220,7 @@ TRANSFORMERS = """
     from mldebug.integrations.transformers import MLDebugCallback
 
     mode, out = sys.argv[1], sys.argv[2]        # plain | clean | bug | record; a folder
+    batch = False if sys.argv[3:] == ["prompt"] else None     # (see LIGHTNING)
 
 
     class Tokens(Dataset):
@@ -194,7 +260,8 @@ TRANSFORMERS = """
         trainer(7, [MLDebugCallback(record=True, every=2, run_dir=out, run="resumed")],
                 save_strategy="no").train(resume_from_checkpoint=out + "/hf/checkpoint-3")
     else:
-        callbacks = [] if mode == "plain" else [MLDebugCallback(report=out + "/stops.jsonl")]
+        callbacks = [] if mode == "plain" else [MLDebugCallback(report=out + "/stops.jsonl",
+                                                                batch=batch)]
         trainer(4, callbacks, save_strategy="no").train()
     print("weights", sum(p.detach().double().sum().item() for p in model.parameters()).hex())
 """
@@ -214,7 +281,7 @@ def test_the_transformers_callback_changes_no_bit_and_reports_its_stops(write_pr
     assert "mldebug: " not in clean.stdout + clean.stderr
     report = runs["clean"] / "stops.jsonl"
     assert not report.exists() or read_report(report) == []
-    buggy = _python([prog, "bug", runs["bug"]], stdin="c\n" * 6)
+    buggy = _python([prog, "bug", runs["bug"], "prompt"], stdin="c\n" * 6)
     assert buggy.returncode == 0, buggy.stderr
     (stop,) = read_report(runs["bug"] / "stops.jsonl")
     # the Trainer's global step, in the user's compute_loss
@@ -234,3 +301,20 @@ def test_a_recording_started_by_the_transformers_callback_counts_global_steps(
     with mldebug.record.open_run(str(tmp_path / "resumed.sqlite")) as run:
         # the resumed run's global steps are 3..6; every=2 records 4 and 6
         assert run.steps() == [4, 6]
+
+
+def test_a_stop_in_a_trainer_run_without_a_terminal_ends_training_with_one_clear_error(
+        write_program, tmp_path):
+    prog = write_program(TRANSFORMERS)
+    result = _without_a_terminal([prog, "bug", tmp_path])
+    assert result.returncode == 1
+    tail = _traceback_of_the_stop(result.stderr)
+    assert tail[0].startswith("mldebug: stop: 1 NaN from aten.log.default (torch.log) at "
+                              f"prog.py:{marker_line(prog)} [forward, step 2]")
+    assert f'File "{prog}", line {marker_line(prog)}, in compute_loss' in "\n".join(tail)
+    assert f"mldebug.core.errors.StopError: {tail[0]}" in tail
+    assert len(tail) <= 12, tail
+    assert "BdbQuit" not in result.stderr and "transformers/" not in "\n".join(tail)
+    assert "weights" not in result.stdout
+    (stop,) = read_report(tmp_path / "stops.jsonl")
+    assert (stop["reason"], stop["step"]) == ("nan", 2)

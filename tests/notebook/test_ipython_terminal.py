@@ -66,3 +66,22 @@ def test_on_a_device_a_stop_read_at_the_cells_end_opens_the_prompt_in_the_cell()
     assert "> <ipython-input-4-" in out and ">(1)<module>()" in out
     assert "tensor([1., 1., 1.])" in out
     assert out.index("after") < out.index("mldebug: 3 NaN")
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_mldebugs_summary_of_a_nan_in_a_cell_is_no_stop(path):
+    """`%mldebug on`, then `mldebug.summary(x)` of a tensor holding a NaN from the data:
+    mldebug's own look (its aminmax of the tensor) is no stop; the cell's own use of the
+    NaN still is."""
+    env = {"MLDEBUG_SIMULATE_DEVICE": "1"} if path == "device" else {}
+    out = ipython("%mldebug on", [
+        ("In [4]: ", "import numpy as np; t = torch.from_numpy("
+                     "np.array([[1.0, np.nan], [2.0, 3.0]], dtype=np.float32))"),
+        ("In [5]: ", "print('seen', mldebug.summary(t)); print('described', "
+                     "mldebug.describe(t).count('NaN') > 0)"),
+        ("In [6]: ", "y = t * 2; print('used')"),
+        ("(mldebug) ", "c"),
+        ("In [7]: ", "exit")], **env)
+    assert "seen tensor[2, 2] f32" in out and "NaN!1" in out and "described True" in out
+    assert out.index("described True") < out.index("mldebug: 1 NaN from aten.mul.Tensor")
+    assert out.count("(mldebug) ") == 1

@@ -184,7 +184,7 @@ CORRUPT_PARAMETER = """
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     with torch.no_grad():
-        model[2].weight[0, 3] = float("nan")       # a corrupt checkpoint
+        model[2].weight.numpy()[0, 3] = float("nan")   # a corrupt checkpoint
     run = torch.compile(model)
     pred = run(torch.randn(4, 8))  # here
     print("finished")

@@ -6,6 +6,7 @@ import math
 import os
 import runpy
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -291,7 +292,7 @@ def test_a_written_value_is_not_blamed_on_the_op_that_made_the_tensor(device):
     # blame to the op that made the tensor, nor hide what an op made
     with watch(on_violation=lambda v: None) as w:
         x = torch.randn(5, 4)
-        x[3, 1] = float("nan")            # a constant comes in: no op makes it
+        x[3, 1] = torch.from_numpy(np.array(np.nan, np.float32))   # data: no op makes it
         y = x * 2                         # where it is first read
         a = torch.zeros(3)
         b = a / a                         # made here ...
@@ -607,15 +608,17 @@ def test_nan_from_outside_through_unchecked_ops_stops_at_the_first_checked_op():
 def test_constants_and_casts_that_make_nan_or_inf_are_still_checked(device):
     # (device: also through the device window, judged at its read)
     with watch(on_violation=lambda v: None) as w:
-        a = torch.zeros(3).fill_(float("nan"))           # NaN written as a constant
-    assert [v.op for v in w.violations] == ["aten.fill_.Scalar"]
+        a = torch.zeros(3).fill_(float("nan"))           # NaN written on purpose: no stop
+        data = torch.from_numpy(np.array([1.0, np.nan, 3.0]))
+        e = a * data                                     # a NaN come in: a stop
+    assert [(v.op, v.culprit) for v in w.violations] == [("aten.mul.Tensor", "input 1 (other)")]
     with watch(on_violation=lambda v: None) as w:
         b = torch.full((2,), 1e5).half()                # float16 downcast overflows
         c = torch.full((2,), 3.0).half().float()        # upcast: fine
         d = torch.zeros(2, dtype=torch.float16).copy_(torch.full((2,), 1e5))
     assert [(v.op, v.kind, v.created) for v in w.violations] == [
         ("aten._to_copy.default", "inf", True), ("aten.copy_.default", "inf", True)]
-    del a, b, c, d
+    del a, b, c, d, e
 
 
 def test_unchecked_ops_are_checked_again_once_something_was_judged():

@@ -43,26 +43,53 @@ def train(device, steps, init_scale, model=None, watched=True, exact=False):
     return model, got, scales
 
 
-def test_the_scalers_overflows_while_it_calibrates_are_not_stops(device, exact):
-    """A scale of 2^24 overflows float16 gradients for several steps, each skipped by the
-    scaler; then training goes on. No stop, and bitwise the unwatched run."""
-    plain, _, plain_scales = train(device, 12, 2.0 ** 24, watched=False)
-    model, got, scales = train(device, 12, 2.0 ** 24, exact=exact)
+@pytest.mark.parametrize("init_scale, steps, skips", [(2.0 ** 24, 12, 8), (2.0 ** 32, 24, 16),
+                                                      (2.0 ** 48, 40, 32)],
+                         ids=["2^24", "2^32", "2^48"])
+def test_the_scalers_overflows_while_it_calibrates_are_not_stops(device, exact, init_scale,
+                                                                  steps, skips):
+    """A scale of 2^24, 2^32 (Megatron's default) or 2^48 overflows float16 gradients for
+    many steps in a row (from 2^48 about 33), each skipped by the scaler while it halves
+    the scale; then training goes on. No stop, and bitwise the unwatched run."""
+    plain, _, plain_scales = train(device, steps, init_scale, watched=False)
+    model, got, scales = train(device, steps, init_scale, exact=exact)
     assert got == []
-    assert scales == plain_scales and scales[0] < 2.0 ** 24 and scales[-1] == scales[-2]
+    assert scales == plain_scales and scales[0] < init_scale and scales[-1] == scales[-2]
+    assert scales.index(scales[-1]) + 1 == skips      # steps skipped in a row, halving
     for a, b in zip(plain.parameters(), model.parameters()):
         assert torch.equal(a, b)
 
 
-def test_a_gradient_non_finite_at_any_scale_is_a_stop_once_the_scaler_gives_up(device, exact):
-    """An infinite derivative (sqrt at 0) overflows every scaled backward: the scaler skips
-    every step; after 16 in a row the watch stops and says why."""
+def test_an_infinite_derivative_is_a_stop_at_the_first_backward_at_any_scale(device, exact):
+    """sqrt at 0: its derivative is infinite at any scale. Run again in float64 and
+    divided by the scale it stays non-finite: a stop at the first backward, not after a
+    count of skipped steps, saying so (and again at each step, a new one each time).
+    (Where the scale overflows the gradient before it reaches the sqrt, nothing tells
+    the two apart: the stop comes once the scaler has lowered the scale below that.)"""
     model = nn.Sequential(nn.Linear(8, 64), RootAtZero(), nn.Linear(64, 4))
-    _, got, scales = train(device, 18, 2.0 ** 16, model=model, exact=exact)
-    assert len(got) == 1
+    _, got, scales = train(device, 3, 2.0 ** 16, model=model, exact=exact)
+    assert len(got) == 3
     v = got[0]
-    assert v.stage == "backward" and "non-finite at any scale" in v.text
-    assert len(scales) == 18 and scales[15] == 1.0
+    assert (v.stage, v.torch_op) == ("backward", "torch.sqrt")
+    assert "stays non-finite unscaled" in v.text and "scale 2^16" in v.text
+    assert scales == [2.0 ** 15, 2.0 ** 14, 2.0 ** 13]     # the scaler still skips
+
+
+def test_a_gradient_that_overflows_at_scale_one_is_a_stop(device, exact):
+    """At a scale of 1 nothing is enlarged: float16 cannot hold the model's own gradient,
+    a stop that says so (an overflow, finite in float64: no bug in an op, but no scale
+    to blame either)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 4)).to(device)
+    scaler = torch.amp.GradScaler(device.split(":")[0], init_scale=1.0)
+    got = []
+    with watch(on_violation=got.append, exact=exact):
+        with torch.autocast(device.split(":")[0], dtype=torch.float16):
+            out = model(torch.randn(32, 8, device=device))
+        loss = out.float().sum() * 3e4     # d loss / d out = 30000, finite in float16
+        scaler.scale(loss).backward()
+    assert got and got[0].stage == "backward"
+    assert "GradScaler's scale is 1: the gradient is non-finite at any scale" in got[0].text
 
 
 def test_a_nan_in_the_forward_under_autocast_is_still_a_stop(device, exact):

@@ -1,0 +1,323 @@
+"""Non-finite constants the program writes on purpose, and where they must not go.
+
+A program writes NaN and Inf on purpose: `x[mask] = float('nan')` marks missing values,
+`scores.masked_fill(mask, float('-inf'))` masks attention or illegal actions,
+`torch.full((n,), float('inf'))` starts a search for a minimum, beam scores start at
+-inf, `torch.tensor([1.0, float('nan')])` is a literal. None of that is a stop where it
+is written, nor where it flows on (`x * 2`, `cat`, `softmax` of a partly masked row,
+`nan_to_num`, `nanmean`). It is a stop where such a value first reaches what it must not,
+and the stop points at the line that wrote it (`Violation.file/line`; `reached` says
+what it reached):
+- a model call: a NaN among the arguments of an outermost module call (an Inf there is
+  how an additive attention mask is passed, and stays allowed);
+- the loss: a NaN/Inf in the tensor `backward()` starts from;
+- a gradient: a NaN/Inf that backward computes from one (seen where backward runs op by
+  op: `--watch exact`, a re-run of a flagged call, the loss region's dry run);
+- a parameter or its optimizer state: written into one, or left there by a step.
+A NaN that an op makes from such Infs (a softmax of a fully masked row) is made there:
+a stop, as ever.
+
+Written by the program: an op with a non-finite Python scalar argument (`fill_`,
+`masked_fill`, `full`, `new_full`, `index_fill`, `torch.where(c, x, nan)`, `x * nan`),
+and the tensor `aten.lift_fresh` makes from Python data when it is a literal: a 0-d
+tensor (the value of `x[i] = nan`, `torch.tensor(nan)`), or a `torch.tensor(...)` call
+whose argument, in the source at the call, is made of constants only. A tensor read from
+a file, made from numpy data or by a DataLoader is not written: a NaN there came in with
+the data and stops at the first op that reads it, as ever.
+
+Bookkeeping, on top of the taint (verdict.py): `_marks` holds the `Mark` of each judged
+storage whose non-finite values were written on purpose or flow from such a write;
+`_nan_marks` those with a NaN. An outermost module call looks its arguments up only
+while `_nan_marks` is not empty, the loss only while `_marks` is not: nothing is added
+to a step that writes no constant. On a device what the window holds is judged at the
+read, so the look-ups are made again there, by the judges a read runs anyway (a model
+call's, read at its end or at the step: module_tier.py; the backward's and its loss
+region's dry run: backward_tier.py).
+"""
+from __future__ import annotations
+
+import ast
+import dis
+import linecache
+import os
+from torch import Tensor
+
+from ..core import frames as _frames
+from ..core.records import Violation
+from .checks import _ALLOWED, _caller, _checkable, _counts, _isfinite, _summary
+from .native_check import nonfinite as _native_nonfinite
+from .ops import matches
+from .tiers import call_kwargs, flat_tensors
+
+# names whose attribute `nan`/`inf` is a constant in a literal (`math.inf`, `np.nan`)
+_CONSTANT_MODULES = frozenset({"math", "np", "numpy", "torch"})
+_CONSTANT_NAMES = frozenset({"nan", "inf", "pi", "e"})
+_ARRAY_CALLS = frozenset({"array", "asarray", "tensor", "as_tensor", "list", "tuple"})
+_literal_cache: dict = {}      # (code, instruction) -> whether the call's data is a literal
+_STORE_SUBSCR = dis.opmap["STORE_SUBSCR"]
+
+
+class Mark:
+    """Where a non-finite constant was written. WRITTEN: this is the written value itself
+    (what its first reader sees); the values that flow from it carry `flowing()`. Once a
+    stop was made of it (`stopped`), what flows from it descends from that stop."""
+
+    __slots__ = ("file", "line", "function", "written", "origin", "_flowing", "_stopped")
+
+    def __init__(self, file, line, function, written=True, origin=None):
+        self.file, self.line, self.function = file, line, function
+        self.written = written
+        self.origin = origin or self
+        self._flowing = None
+        self._stopped = False
+
+    def flowing(self) -> "Mark":
+        if not self.written:
+            return self
+        if self._flowing is None:
+            self._flowing = Mark(self.file, self.line, self.function, written=False,
+                                 origin=self)
+        return self._flowing
+
+    @property
+    def stopped(self) -> bool:
+        return self.origin._stopped
+
+    def stop_made(self) -> None:
+        self.origin._stopped = True
+
+    def where(self) -> str:
+        return f"{os.path.basename(self.file)}:{self.line}" if self.file else "its line"
+
+
+def mark_here(frame) -> Mark:
+    """A mark at the innermost user line at or above FRAME."""
+    return Mark(*_frames.location(_frames.user_frame(frame)))
+
+
+class WrittenMarks:
+    """Methods of `Watch` for the constants the program writes (state in `Watch._marks`,
+    `Watch._nan_marks`)."""
+
+    def _mark_get(self, t):
+        """The Mark of `t`'s current non-finite values when they were written on purpose
+        or flow from such a write, and no stop was made of them since; else None."""
+        if not self._marks:
+            return None
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except Exception:  # noqa: BLE001 - no storage: nothing was marked
+            return None
+        rec = self._marks.get(ptr)
+        if rec is None or rec[0]() is None:
+            return None
+        known = self._taint_get(t)
+        if known is None or known[2]:
+            return None       # written over since, or a stop was made of it (lineage)
+        return rec[2]
+
+    def _known_with_mark(self, t):
+        """(has_nan, has_inf, lineage, Mark or None) judged of `t`, or None (`_taint_get`
+        with the mark: what the device window keeps of an op's arguments)."""
+        known = self._taint_get(t)
+        if known is None:
+            return None
+        return (*known, self._mark_get(t) if self._marks else None)
+
+    def _mark_at(self, address):
+        """The Mark last judged of the memory at ADDRESS (its tensor may be gone)."""
+        rec = self._marks.get(address) if self._marks else None
+        return rec[2] if rec is not None else None
+
+    def _forget_mark(self, ptr) -> None:
+        self._marks.pop(ptr, None)
+        self._nan_marks.pop(ptr, None)
+
+    # -- the literal: aten.lift_fresh --------------------------------------------------
+    def _lifted(self, out):
+        """aten.lift_fresh returned OUT, a tensor made from Python data (`torch.tensor`,
+        the scalar of `x[i] = v`): one that holds a NaN/Inf and is a literal is a
+        constant the program wrote, marked (no stop here). Anything else is left as
+        before: judged at the first op that reads it, as come in from outside. (Always
+        on the CPU: read here, on every path.)"""
+        if not isinstance(out, Tensor) or not out.is_floating_point() or not out.is_cpu \
+                or not _checkable(out) or not out.numel():
+            return out
+        bad = _native_nonfinite(out)
+        if bad is None:
+            bad = not _isfinite(float(out.detach().double().sum()))
+        if not bad:
+            return out
+        caller = _caller(2)
+        if not _written_in_source(caller, out.dim() == 0):
+            return out
+        with self._own_ops():
+            counts = _counts(out)
+        self._taint_add(out, counts[0] > 0, counts[1] + counts[2] > 0, False,
+                        mark=mark_here(caller))
+        return out
+
+    # -- where a mark must not go ------------------------------------------------------
+    def _check_call_marks(self, module, args, kwargs=None, site=None) -> None:
+        """An outermost module call: a NaN written on purpose among its arguments is a
+        stop. Called as it starts (its pre-hook), and on a device where the read that
+        judges what its arguments hold comes later, from that read (module_tier.py).
+        KWARGS None: the call's, read from the frame of the hook. SITE: (file, line,
+        function) of the call, when it is not the running user frame's."""
+        if not self._nan_marks:
+            return
+        if kwargs is None:
+            kwargs = call_kwargs(_caller(2))
+        if site is None:
+            site = _frames.location(_frames.user_frame(_caller(2)))
+        what = f"the model call {type(module).__name__} at {_short(site)}"
+        self._marks_reach(flat_tensors((args, kwargs)), what, nan_only=True)
+
+    def _check_loss_marks(self, roots, site=None) -> None:
+        """`backward()` starts from ROOTS: a NaN/Inf written on purpose in one is a stop.
+        Called as backward starts, and on a device from the backward's judge at the read."""
+        if not self._marks:
+            return
+        if site is None:
+            site = _frames.location(_frames.user_frame(_caller(2)))
+        what = f"the loss, whose backward starts at {_short(site)}" if site[0] else "the loss"
+        self._marks_reach(roots, what, nan_only=False)
+
+    def _marks_reach(self, tensors, what, nan_only) -> bool:
+        """A stop if one of TENSORS holds a value written on purpose (a NaN, with
+        NAN_ONLY); True when one was reported."""
+        for t in tensors:
+            if not isinstance(t, Tensor) or not t.is_floating_point():
+                continue
+            mark = self._mark_get(t)
+            if mark is None or mark.stopped:
+                continue
+            with self._own_ops():
+                counts = _counts(t)
+            if nan_only and not counts[0]:
+                continue
+            if sum(counts) and self._report_mark(mark, what, t, counts):
+                return True
+        if nan_only and self._nan_marks:   # (none reached: drop those whose memory is gone)
+            self._nan_marks = {k: r for k, r in self._nan_marks.items() if r() is not None}
+        return False
+
+    def _report_mark(self, mark, what, value, counts, stage="forward", module="",
+                     module_type="", param="") -> bool:
+        """MARK's value reached WHAT: a stop at the line that wrote it (the pause stays in
+        the frame running now). The value is then known as a stop's: what flows on from
+        it is no new stop."""
+        kind = "nan" if counts[0] else "inf"
+        if kind not in self.break_on and "inf-all" not in self.break_on:
+            return False
+        patterns = tuple(_ALLOWED) + self.allow
+        if patterns and module and matches(patterns, (module,)):
+            return False
+        self._taint_add(value, counts[0] > 0, counts[1] + counts[2] > 0, True)
+        v = self._mark_violation(mark, what, value, counts, stage, module, module_type,
+                                 param, frame=_frames.user_frame(_caller(2)))
+        self._report(v)
+        return True
+
+    def _mark_violation(self, mark, what, value, counts, stage, module="", module_type="",
+                        param="", frame=None, op="", torch_op="", node="", inputs=()):
+        kind = "nan" if counts[0] else "inf"
+        noun = "NaN" if kind == "nan" else "Inf"
+        mark.stop_made()       # (what flows from it from now on descends from this stop)
+        with self._own_ops():
+            output = _summary(value) if isinstance(value, Tensor) else None
+        return Violation(
+            kind=kind, op=op, torch_op=torch_op, module=module, module_type=module_type,
+            stage=stage, frame=frame, file=mark.file, line=mark.line,
+            function=mark.function, nan=counts[0], posinf=counts[1], neginf=counts[2],
+            created=False, culprit=f"a {noun} written on purpose at {mark.where()}",
+            output=output, inputs=list(inputs), param=param, node=node,
+            step=self._steps if self._opt_seen else None, reached=what,
+            text=(f"the {noun} written on purpose at {mark.where()} (a non-finite constant "
+                  f"the program wrote) reaches {what}; a constant written as a marker or "
+                  "a mask must be cleaned (torch.nan_to_num, torch.where) or masked out "
+                  "before it reaches a model call, the loss, a gradient or a parameter"))
+
+
+def _short(site) -> str:
+    file, line, _ = site
+    return f"{os.path.basename(file)}:{line}" if file else "its line"
+
+
+def _written_in_source(frame, scalar: bool) -> bool:
+    """Whether the instruction running in FRAME writes its data in the source: the value
+    of `x[...] = v` (SCALAR: a Python number; a tensor value was made before), or a
+    `torch.tensor(...)` call whose data is a literal: lists, tuples, numbers and named
+    constants only (`float('nan')`, `math.inf`, `np.nan`), also inside `np.array(...)`.
+    (`torch.from_numpy`, `torch.as_tensor` wrap data made elsewhere: not written.)"""
+    if frame is None:
+        return False
+    code = frame.f_code
+    try:
+        if code.co_code[frame.f_lasti] == _STORE_SUBSCR:
+            return scalar
+    except IndexError:
+        return False
+    key = (code, frame.f_lasti)
+    found = _literal_cache.get(key)
+    if found is None:
+        found = _literal_cache[key] = _literal_at(frame)
+        if len(_literal_cache) > 4096:
+            _literal_cache.clear()
+    return found
+
+
+def _literal_at(frame) -> bool:
+    try:
+        positions = frame.f_code.co_positions()     # (Python >= 3.11)
+        for _ in range(frame.f_lasti // 2):
+            next(positions)
+        start, end, col, end_col = next(positions)
+    except (AttributeError, StopIteration, ValueError):
+        return False
+    if None in (start, end, col, end_col):
+        return False
+    lines = linecache.getlines(frame.f_code.co_filename, frame.f_globals)[start - 1:end]
+    if not lines:
+        return False
+    raw = [line.encode("utf-8") for line in lines]    # (offsets count UTF-8 bytes)
+    raw[-1] = raw[-1][:end_col]
+    raw[0] = raw[0][col:]
+    try:
+        node = ast.parse(b"".join(raw).decode("utf-8").strip(), mode="eval").body
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return False
+    if not isinstance(node, ast.Call) or _call_name(node) != "tensor":
+        return False
+    data = node.args[0] if node.args else next(
+        (k.value for k in node.keywords if k.arg == "data"), None)
+    return data is not None and _constant(data)
+
+
+def _constant(node) -> bool:
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, (int, float, bool))
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return all(_constant(e) for e in node.elts)
+    if isinstance(node, ast.UnaryOp):
+        return _constant(node.operand)
+    if isinstance(node, ast.BinOp):
+        return _constant(node.left) and _constant(node.right)
+    if isinstance(node, ast.Name):
+        return node.id in ("nan", "inf")
+    if isinstance(node, ast.Attribute):
+        return (node.attr in _CONSTANT_NAMES and isinstance(node.value, ast.Name)
+                and node.value.id in _CONSTANT_MODULES)
+    if isinstance(node, ast.Call):
+        name = _call_name(node)
+        if name == "float":
+            return len(node.args) == 1 and isinstance(node.args[0], ast.Constant)
+        if name in _ARRAY_CALLS:
+            return len(node.args) == 1 and _constant(node.args[0])
+    return False
+
+
+def _call_name(node) -> str:
+    func = node.func
+    return func.id if isinstance(func, ast.Name) else (
+        func.attr if isinstance(func, ast.Attribute) else "")
