@@ -13,10 +13,10 @@ idempotent, also when the program raised):
     torch functions  a `TorchFunctionMode`, only while a FunctionAssertion targets one
     Python functions the target's name in its module rebound to a wrapper (restored)
 
-A violation stops in the user's frame: the innermost user frame at the hook, i.e. the line
-that called the model (or the user's forward calling the module), `loss.backward()` for
-backward checks and `optimizer.step()` for step checks. Each (assertion, target) stops at
-most once per run; later trips are still recorded in `violations`.
+A violation stops in the innermost user frame at the hook: the line that called the model
+(or the user's forward calling the module), `loss.backward()` for backward checks (named
+as the loss's line when a framework calls it: loss_site.py), `optimizer.step()` for step
+checks. Each (assertion, target) stops once per run; all trips are in `violations`.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from ..core.session import current
 from ..core.structs import tensors_in
 from ..graph import Capture, active_capture
 from ..summaries.norms import l2_norms
-from . import registry as _registry
+from . import loss_site as _loss_site, registry as _registry
 from .base import (BACKWARD, BEFORE_BACKWARD, BEFORE_STEP, FORWARD, OPTIMIZER, STOP_STAGE,
                    FunctionAssertion, ParamAssertion, TensorAssertion, TensorNodeAssertion)
 
@@ -61,6 +61,7 @@ def _around_backward(proceed, tensors, grad_tensors, args, kwargs):
     roots = (tensors,) if isinstance(tensors, Tensor) else tuple(tensors)
     grads = (grad_tensors,) if isinstance(grad_tensors, Tensor) or grad_tensors is None \
         else tuple(grad_tensors)
+    runner._loss_site = _loss_site.loss_site(roots)   # (read by this backward's stops)
     runner._before_backward(roots, grads)
     result = proceed(tensors, grad_tensors, *args, **kwargs)
     runner._after_backward(roots)
@@ -504,7 +505,8 @@ class Runner:
 
     def _report(self, a, stage, module="", module_type="", param="", node="") -> None:
         frame = _frames.user_frame(sys._getframe(1))
-        file, line, function = _frames.location(frame)
+        site = getattr(self, "_loss_site", None) if stage in (BEFORE_BACKWARD, BACKWARD) else None
+        file, line, function = site or _frames.location(frame)   # (it pauses in FRAME)
         if module and not module_type:
             module_type = self._module_type(module)
         v = Violation(kind="assertion", assertion=a.name, text=a.text(),
@@ -556,7 +558,6 @@ class Runner:
     # -- quiet: our own ops are not the program's ----------------------------------------
     def _quiet(self):
         return _Quiet(self)
-
 
 
 def _grad_norms(params) -> dict:

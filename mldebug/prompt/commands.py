@@ -76,7 +76,8 @@ class MLCommandSet:
         """why
         Explain the current stop: where the NaN/Inf was made, whether the op's inputs
         were finite (it made it) or not (it came in from outside, and which input),
-        with summaries of the inputs and the bad output.
+        the likely cause and its usual fix when the catalogue knows it (the evidence it
+        read), with summaries of the inputs and the bad output.
         """
         stop = self._current_stop
         if stop is not None and stop.violation is None:
@@ -88,11 +89,14 @@ class MLCommandSet:
             self.error("why: nothing has stopped the program yet (no NaN/Inf, assertion "
                        "or exception so far)")
             return
-        self.message(violation.headline())
+        self.message(violation.headline(hint=False))
         if violation.created and violation.op:
-            self.message("  root cause: this op made the non-finite value from finite inputs")
+            self.message(f"  root cause: this op made the non-finite value from "
+                         f"{violation.made_from()}")
         elif violation.created:       # seen after the fact (a compiled call, a sentinel)
             self.message(f"  root cause: {violation.text or 'made from finite inputs'}")
+        elif violation.reached:
+            self.message(f"  root cause: {violation.text}")
         elif violation.data:
             self.message(f"  it came in with the data: {data_text(violation.data)}, "
                          f"through {violation.culprit or 'an input'} of this op")
@@ -102,6 +106,11 @@ class MLCommandSet:
         if violation.node:
             self.message(f"  backward node {violation.node}, built by the forward op at "
                          f"{violation.file}:{violation.line} ({violation.function})")
+        if violation.hint:
+            self.message(f"  hint ({violation.cause}): {violation.hint}")
+        for key, value in (violation.evidence or {}).items():
+            if key != "producers":        # (the autograd trees: `graph` shows them)
+                self.message(f"  evidence {key}: {_evidence_text(value)}")
         for name, summary in violation.inputs:
             self.message(f"  {name}: {summary}")
         if violation.output is not None:
@@ -283,3 +292,11 @@ class MLCommandSet:
         if not arg.strip():  # the stop's module; none: the fastest-growing parameters
             module = module_of_stop(self._current_stop)
         self.message(history.format(module))
+
+
+def _evidence_text(value) -> str:
+    """'count=4, of=8, first=[1, 0]' for a dict of evidence; the value itself otherwise."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
+                         for k, v in value.items())
+    return str(value)

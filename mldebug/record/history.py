@@ -36,6 +36,7 @@ from ..core.quiet import own_work
 from ..core.ranks import rank_tag, this_rank
 from ..graph import active_capture, last_graph
 from ..summaries.norms import l2_norms
+from ..watch import hints as _hints
 from .recorder import active_recorder
 
 _CUDA_GRAPH_NOTE = ("the step history does not count the steps captured into it (they run "
@@ -86,6 +87,7 @@ class History:
             self._handles = [_optim_hooks.register_optimizer_step_pre_hook(self._pre),
                              _optim_hooks.register_optimizer_step_post_hook(self._post)]
             _ACTIVE = self
+            _hints.provide("history", self.growth_before)   # (a stop's hint reads it)
         return self
 
     def close(self) -> None:
@@ -93,6 +95,7 @@ class History:
         while self._handles:
             self._handles.pop().remove()
         self._stop_listening()
+        _hints.withdraw("history", self.growth_before)
         if _ACTIVE is self:
             _ACTIVE = None
 
@@ -241,6 +244,30 @@ class History:
         if not all(math.isfinite(v) for v in vals):
             return math.inf
         return vals[-1] / vals[0] if vals[0] > 0 else (math.inf if vals[-1] > 0 else 0.0)
+
+    def growth_before(self, stop) -> Optional[dict]:
+        """For a stop's hint (watch/hints.py): the parameter under the stop's module (the
+        whole model when it names none) whose norm grew most over the recorded steps,
+        {"param", "growth", "grad_growth", "steps": [first, last]}; None with fewer than
+        3 recorded steps."""
+        rows = self._snapshot()
+        if len(rows) < 3:
+            return None
+        names = self.params_of(module_of_stop(stop), rows) or self.params_of("", rows)
+        best = None
+        for name in names:
+            norms = [r[name] for _, r in rows if name in r]
+            first = next(((v, g) for v, g in norms if _finite(v) and v > 0), None)
+            if first is None or len(norms) < 3:
+                continue
+            last = norms[-1]
+            growth = last[0] / first[0] if last[0] is not None else 0.0
+            grad_growth = (last[1] / first[1] if _finite(first[1]) and first[1] > 0
+                           and last[1] is not None else 0.0)
+            if best is None or growth > best["growth"]:
+                best = {"param": name, "growth": growth, "grad_growth": grad_growth,
+                        "steps": [rows[0][0], rows[-1][0]]}
+        return best
 
     def to_dict(self) -> dict:
         """JSON-able: {'steps': [...], 'stride': n, 'params': {name: {'norm': [...],

@@ -34,6 +34,7 @@ CSS = """
 .mld-stop{font-size:14px;padding:6px 8px;border-radius:4px;background:#f1f3f5;margin:4px 0}
 .mld-reason-nan,.mld-reason-inf{background:#ffe3e3}
 .mld-reason-assertion{background:#fff4e6}
+.mld-hint{margin:4px 0;padding:4px 6px;background:#fff9db;border-left:3px solid #f59f00}
 .mld-field{margin-right:14px}.mld-field i{color:#868e96;margin-right:4px}
 .mld-stats table{border-collapse:collapse;font-size:13px}
 .mld-stats th{text-align:left;padding:1px 10px 1px 0;color:#495057;font-weight:normal}

@@ -116,8 +116,13 @@ def banner_html(snapshot: dict) -> str:
                   ("rank", stop.get("rank"))]
         cells = " ".join(f"<span class='mld-field'><i>{k}</i> {html.escape(str(v))}</span>"
                         for k, v in fields if v not in (None, ""))
+        message = stop.get("message") or ""
+        hint = stop.get("hint") or ""
+        if hint:      # (the message ends with it: shown once, on its own line)
+            message = message.replace(f"; hint: {hint}", "")
+            hint = f'<div class="mld-hint"><b>Hint:</b> {html.escape(hint)}</div>'
         parts.append(f'<div class="mld-stop mld-reason-{html.escape(str(stop.get("reason")))}">'
-                     f'<b>Stop:</b> {html.escape(stop.get("message") or "")}'
+                     f'<b>Stop:</b> {html.escape(message)}{hint}'
                      f'<div>{cells}</div></div>')
     elif mode != "wait":
         parts.append('<div class="mld-stop mld-none">No stop yet.</div>')

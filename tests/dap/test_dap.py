@@ -185,6 +185,7 @@ class TestLaunchStopsOnNaN:
         stop = evaluate_json(dap, f"{PANEL}.stop_json()", fid)["stop"]
         assert stop["reason"] == "nan" and "log" in stop["op"]
         assert stop["line"] == marker_line(NAN_STEP) and stop["function"] == "step"
+        assert stop["cause"] == "outside_domain" and "log of 3 values outside" in stop["hint"]
 
         frame = evaluate_json(dap, f"{PANEL}.frame_json(locals())", fid)
         names = [t["name"] for t in frame["tensors"]]

@@ -13,7 +13,8 @@ from conftest import BLOWUP, run_cli
 def _column(text: str, header: str) -> list:
     """Numbers of the column HEADER in the `history` table of TEXT."""
     lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if header in line and "step" in line)
+    start = next(i for i, line in enumerate(lines)
+                 if header in line.split() and line.split()[:1] == ["step"])
     cols = lines[start].split()
     j = cols.index(header)
     values = []

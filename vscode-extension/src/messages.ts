@@ -21,6 +21,8 @@ export interface StopInfo {
   pause_line?: number;
   data?: DataOrigin | null;    // the sample a NaN/Inf came in with
   rank?: number | null;        // the rank of a multi-process job that stopped
+  hint?: string | null;        // the likely cause and its usual fix, "" when none is known
+  cause?: string | null;       // the name of the catalogue's rule behind `hint`
   [extra: string]: unknown;
 }
 

@@ -39,6 +39,15 @@ describe('stop message', () => {
     assert.equal(dataText({ variable: null, rows: [1, 2, 3, 4, 5, 6], dataset_indices: null }),
       'the batch rows 1, 2, 3, 4, 5 and 1 more');
   });
+  it('shows the hint once, on its own line, and keeps the message without it', () => {
+    const hint = 'a division by zero (0/0): the divisor `std` is 0; fix at prep.py:9: add an eps';
+    const withHint = { ...stop, message: `32 NaN from aten.div.Tensor at prep.py:9 [forward]; hint: ${hint}`, hint };
+    const banner = bannerFor(withHint, pause);
+    assert.equal(banner.hint, hint);
+    assert.equal(banner.message, '32 NaN from aten.div.Tensor at prep.py:9 [forward]');
+    assert.match(bannerText(banner), /— Hint: a division by zero \(0\/0\)/);
+    assert.equal(bannerFor({ ...stop, hint: '' }, pause).hint, undefined);
+  });
   it('names other DAP reasons', () => {
     assert.equal(bannerFor(null, { reason: 'exception', description: 'ZeroDivisionError' }).title, 'Paused (exception)');
   });

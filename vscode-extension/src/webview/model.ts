@@ -10,6 +10,7 @@ export interface Banner {
   title: string;
   details: string[];           // "op aten.log.default", "module encoder.fc", "train.py:12", ...
   message?: string;
+  hint?: string;               // the likely cause and its fix (the stop's `hint`)
 }
 
 export interface PanelState {
@@ -69,7 +70,10 @@ export function bannerFor(stop: StopInfo | null, pause: PauseInfo): Banner {
       typeof stop.rank === 'number' ? `rank ${stop.rank}` : undefined,
     ].filter((d): d is string => Boolean(d));
     const title = `Stopped: ${REASON_TITLES[stop.reason] ?? stop.reason}`;
-    return { kind: 'stop', title, details, message: stop.message ?? undefined };
+    const hint = stop.hint || undefined;
+    // the message ends with the hint: the banner shows it once, on its own line
+    const message = hint ? stop.message?.replace(`; hint: ${hint}`, '') : stop.message;
+    return { kind: 'stop', title, details, message: message ?? undefined, hint };
   }
   const file = stop?.file || pause.file;
   const line = stop?.line || pause.line;
@@ -96,7 +100,8 @@ export function dataText(data: DataOrigin): string {
 
 /** The banner as one line of text. */
 export function bannerText(banner: Banner): string {
-  return [banner.title, ...banner.details, banner.message].filter(Boolean).join(' \u2014 ');
+  const hint = banner.hint ? `Hint: ${banner.hint}` : undefined;
+  return [banner.title, ...banner.details, banner.message, hint].filter(Boolean).join(' \u2014 ');
 }
 
 export function reduce(state: PanelState, message: ToWebview): PanelState {

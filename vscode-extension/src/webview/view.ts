@@ -64,6 +64,9 @@ function renderBanner(banner: Banner): void {
   if (banner.message) {
     detail.appendChild(el('div', 'banner-message', banner.message));
   }
+  if (banner.hint) {
+    detail.appendChild(el('div', 'banner-hint', `Hint: ${banner.hint}`));
+  }
 }
 
 function renderList(tensors: TensorEntry[], selected: string | null, actions: ViewActions): void {
