@@ -64,7 +64,8 @@ At the prompt: every pdb command, plus `inspect EXPR`, `why`, `watch on|off|exac
 `breakon nan,inf`, `stopinfo`, `graph [PATH|EXPR] [-d N]`, `assertions [on|off NAME]`,
 `view [PORT]` (the browser view), `history [MODULE]` (the last steps' norms).
 `help CMD` explains one.
-python -m mldebug runs DIR lists the runs mldebug.record(..., run_dir=DIR) stored.
+python -m mldebug runs DIR lists the runs mldebug.record(..., run_dir=DIR) stored;
+python -m mldebug runs export DIR --tensorboard OUT | --wandb writes them there.
 """
 
 
@@ -427,7 +428,7 @@ def run(args) -> int:
             raise
         if isinstance(exc, KeyboardInterrupt) and interrupts is not None and interrupts.ended:
             return _ended_by_interrupt(exc)
-        return _post_mortem(exc, session, debugger)
+        return _post_mortem(exc, session, debugger, watch)
     finally:
         # nothing of our debugger may trace the interpreter's shutdown (a breakpoint left
         # set would run bdb's skip check on torn-down modules); debugpy's trace stays
@@ -461,11 +462,21 @@ def _ended_by_interrupt(exc: KeyboardInterrupt) -> int:
     return 130
 
 
-def _post_mortem(exc: BaseException, session: _session.Session, debugger) -> int:
+def _post_mortem(exc: BaseException, session: _session.Session, debugger,
+                 watches=None) -> int:
     tb = _strip_own_frames(exc.__traceback__)
     traceback.print_exception(type(exc), exc, tb)
     sys.stderr.flush()
     status = 130 if isinstance(exc, KeyboardInterrupt) else EXIT_EXCEPTION
+    # a NaN/Inf the watch still holds (read late, on a device) is the first stop: the
+    # exception is what it led to (watch/before_exception.py)
+    try:
+        for watch in _watches(watches):
+            _watch.read_before_exception(exc, watch)
+    except _records.BatchStop:
+        return EXIT_BATCH_STOP
+    except bdb.BdbQuit:
+        return EXIT_BATCH_STOP if session.input_ended else status
     stop = _records.Stop.from_exception(exc, _innermost_user_frame(tb))
     session.record(stop)
     if debugger is None or not session.wants("exception") or tb is None:

@@ -161,8 +161,11 @@ class MLCommands(MLCommandSet):
                          "tensor, `c` continues)")
         elif stop.pause_file:
             later = stop.violation is not None and stop.violation.read_later
+            how = (", where the exception it led to was raised; `c` then reports that "
+                   "exception" if stop.then else ", the first read after the op" if later
+                   else "")
             self.message(f"  (paused at {os.path.basename(stop.pause_file)}:{stop.pause_line}"
-                         f"{', the first read after the op' if later else ''}; "
+                         f"{how}; "
                          f"{_EXACT_HINT if later else ''}"
                          "`why` explains, `inspect NAME` shows a tensor, `c` continues)")
         else:

@@ -31,6 +31,15 @@ class ReadAtTestEnd:
         test.start()
         try:
             result = yield
+        except Exception as exc:
+            # a NaN/Inf still held (read late, on a device) before the exception it led
+            # to: its stop fails (or pauses) the test first (watch/before_exception.py)
+            test.stop()
+            from ..watch import active_watch, read_before_exception
+            watch = active_watch()
+            if watch is not None and watch.pending:
+                read_before_exception(exc, watch)
+            raise
         finally:
             test.stop()
         # one still pending when the test's function returns is read now, so that its

@@ -26,7 +26,7 @@ from ..assertions.scan import AlwaysOn
 from ..core import frames as _frames
 from ..core import session as _session
 from ..core.records import BatchStop, Stop
-from ..watch import active_watch, watch_session
+from ..watch import active_watch, read_before_exception, watch_session
 
 NO_INPUT_NOTE = ("this front end lets the kernel read no input (allow_stdin is off), so "
                  "the cell ends here; mldebug.last_stop() has the stop, and a front end "
@@ -178,6 +178,43 @@ class PostMortem:
             debugger.post_mortem_at(tb)
         except bdb.BdbQuit:
             pass
+
+
+def read_before(exc: BaseException) -> None:
+    """Before EXC, uncaught in a watched cell, is shown: a NaN/Inf the watch still holds
+    (read late, on a device) is the cell's first stop, naming EXC as what it led to
+    (watch/before_exception.py). It pauses where there is an input box, else raises
+    StopInCell, which the caller shows in EXC's place."""
+    if isinstance(exc, Exception) and not isinstance(exc, BatchStop):
+        read_before_exception(exc)
+
+
+class ShowStopFirst:
+    """IPython's `showtraceback` while `%mldebug on` holds: `read_before` first; a
+    StopInCell it raises is the cell's error instead of the exception (its message names
+    the exception). Installed on the shell instance, removed by `remove()`."""
+
+    def __init__(self, shell):
+        self.shell = shell
+
+    def install(self) -> None:
+        if self.shell.__dict__.get("showtraceback") is not self:
+            self.shell.showtraceback = self
+
+    def remove(self) -> None:
+        if self.shell.__dict__.get("showtraceback") is self:
+            del self.shell.showtraceback
+
+    def __call__(self, exc_tuple=None, *args, **kwargs):
+        show = type(self.shell).showtraceback.__get__(self.shell)
+        value = exc_tuple[1] if exc_tuple is not None else sys.exc_info()[1]
+        try:
+            read_before(value)
+        except StopInCell as stop:
+            return show((StopInCell, stop, stop.__traceback__), *args, **kwargs)
+        except bdb.BdbQuit:
+            pass
+        return show(exc_tuple, *args, **kwargs)
 
 
 def untrace() -> None:

@@ -65,6 +65,7 @@ class NotebookDebug:
         self.engines = None
         self._saved_tb = None       # IPython's post-mortem, while ours stands in
         self._end_with_read = EndWithRead(shell)    # each cell ends with the watch's read
+        self._stop_first = _cell.ShowStopFirst(shell)  # a held NaN before the error
 
     # -- the session ---------------------------------------------------------------
     def configure(self, args) -> _session.Session:
@@ -105,6 +106,7 @@ class NotebookDebug:
         try:
             return self._execute(cell)
         except Exception as exc:        # an uncaught exception: the session's stop
+            _cell.read_before(exc)      # (after a NaN/Inf the watch still held)
             _cell.record_exception(_session.current(), exc)
             raise
         finally:
@@ -137,6 +139,7 @@ class NotebookDebug:
             events.register("post_run_cell", self.end_cell)
             events.register("pre_execute", self._end_with_read.arm)
             self.shell.ast_transformers.append(self._end_with_read)
+            self._stop_first.install()
             self.on = True
         self._post_mortem("exception" in args.break_on)
         self.end_cell()
@@ -150,6 +153,7 @@ class NotebookDebug:
             events.unregister("pre_execute", self._end_with_read.arm)
             if self._end_with_read in self.shell.ast_transformers:
                 self.shell.ast_transformers.remove(self._end_with_read)
+            self._stop_first.remove()
             self.on = False
         self._post_mortem(False)
         self.end_cell()

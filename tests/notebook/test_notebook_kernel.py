@@ -281,3 +281,43 @@ def test_on_a_device_a_nan_the_cell_makes_outside_models_ends_that_cell(tmp_path
     # the read ends cell 12 (counted from there) and cell 13, not its 10 runs
     assert "per loop" in text_of(cells[13]), text_of(cells[13])
     assert text_of(cells[14]).strip() == "2", text_of(cells[14])
+
+
+POLICY = """\
+from torch.distributions import Categorical
+torch.manual_seed(0)
+mask = torch.ones(4, 3)
+mask[2] = 0
+probs = torch.softmax(torch.randn(4, 3), -1) * mask
+probs = probs / probs.sum(-1, keepdim=True)  # here
+Categorical(probs=probs)
+"""
+
+
+def test_on_a_device_a_nan_comes_before_the_error_it_led_to(tmp_path):
+    """On a GPU the NaN of `probs / probs.sum()` is still held by the watch when
+    Categorical raises on it: the cell's error is the NaN's stop at its own line, naming
+    the ValueError, under `%mldebug on` and `%%mldebug`; with mldebug off, the ValueError."""
+    nb = run_notebook([
+        "import json\nimport torch\nimport mldebug",                        # 0
+        "%load_ext mldebug",                                               # 1
+        "%mldebug on",                                                     # 2
+        POLICY,                                                            # 3 the stop
+        "print(json.dumps(mldebug.last_stop().to_dict()))",                # 4
+        "%mldebug off",                                                    # 5
+        "%%mldebug\n" + POLICY,                                            # 6 the stop
+        POLICY,                                                            # 7 off: plain
+    ], tmp_path, MLDEBUG_SIMULATE_DEVICE="1")
+    cells = nb.cells
+    line = next(i for i, text in enumerate(POLICY.splitlines(), 1) if "# here" in text)
+    for index, at in ((3, line), (6, line + 1)):
+        (error,) = errors_of(cells[index])
+        assert error.ename == "StopInCell", (index, error.ename)
+        assert f"3 NaN from aten.div.Tensor (torch.div) at " in error.evalue
+        assert f".py:{at} [forward]" in error.evalue and \
+            "then: ValueError: Expected parameter probs" in error.evalue, error.evalue
+    stop = last_json(cells[4])
+    assert (stop["op"], stop["line"]) == ("aten.div.Tensor", line)
+    assert stop["then"].startswith("ValueError") and stop["pause_line"] == line + 1
+    (plain,) = errors_of(cells[7])
+    assert plain.ename == "ValueError"
