@@ -251,15 +251,6 @@ def _strip_own_frames(tb):
     return tb
 
 
-def _innermost_user_frame(tb):
-    frame = None
-    while tb is not None:
-        if _frames.is_user_file(tb.tb_frame.f_code.co_filename):
-            frame = tb.tb_frame
-        tb = tb.tb_next
-    return frame
-
-
 def _start_watch(session: _session.Session, args):
     session.exact_watch = args.watch == "exact"   # `watch on` at the prompt keeps it
     if args.watch == "off" or not (session.break_on & {"nan", "inf"}):
@@ -477,7 +468,7 @@ def _post_mortem(exc: BaseException, session: _session.Session, debugger,
         return EXIT_BATCH_STOP
     except bdb.BdbQuit:
         return EXIT_BATCH_STOP if session.input_ended else status
-    stop = _records.Stop.from_exception(exc, _innermost_user_frame(tb))
+    stop = _records.Stop.from_exception(exc, _frames.innermost_user_frame(tb))
     session.record(stop)
     if debugger is None or not session.wants("exception") or tb is None:
         print(f"{stop.tag}mldebug: stop: {stop.message}", file=sys.stderr, flush=True)

@@ -93,6 +93,17 @@ def caller_user_frame(depth: int = 1) -> FrameType | None:
     return user_frame(sys._getframe(depth + 1))
 
 
+def innermost_user_frame(tb) -> FrameType | None:
+    """The innermost frame of the user's code in traceback TB (None: none is theirs):
+    where an exception is reported, and where a stop found after it pauses."""
+    found = None
+    while tb is not None:
+        if is_user_file(tb.tb_frame.f_code.co_filename):
+            found = tb.tb_frame
+        tb = tb.tb_next
+    return found
+
+
 def location(frame: FrameType | None) -> tuple[str, int, str]:
     """(absolute file, line, function) of a frame, or ('', 0, '')."""
     if frame is None:

@@ -118,15 +118,6 @@ class Engines:
                     pass     # a stop in what was pending: told already
 
 
-def innermost_user_frame(tb):
-    frame = None
-    while tb is not None:
-        if _frames.is_user_file(tb.tb_frame.f_code.co_filename):
-            frame = tb.tb_frame
-        tb = tb.tb_next
-    return frame
-
-
 def record_exception(session: _session.Session, exc: BaseException) -> Optional[Stop]:
     """EXC, uncaught in a cell, as SESSION's stop (once: %%mldebug records it, then
     IPython's post-mortem sees it), unless it is a stop's own end, a quit or a Ctrl-C."""
@@ -136,7 +127,7 @@ def record_exception(session: _session.Session, exc: BaseException) -> Optional[
     recorded = getattr(exc, "_mldebug_stop", None)
     if recorded is not None:
         return recorded
-    stop = Stop.from_exception(exc, innermost_user_frame(tb))
+    stop = Stop.from_exception(exc, _frames.innermost_user_frame(tb))
     session.record(stop)
     try:
         exc._mldebug_stop = stop

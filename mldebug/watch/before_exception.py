@@ -18,22 +18,9 @@ exception itself is reported after, if the user continues.
 from __future__ import annotations
 
 import os
-from types import TracebackType
-from typing import Optional
-
 from ..core import frames as _frames
 
 MAX_TEXT = 120      # characters of the exception's message in the stop's `then`
-
-
-def innermost_user_frame(tb: Optional[TracebackType]):
-    """The innermost frame of the user's code in TB (None: none of it is the user's)."""
-    found = None
-    while tb is not None:
-        if _frames.is_user_file(tb.tb_frame.f_code.co_filename):
-            found = tb.tb_frame
-        tb = tb.tb_next
-    return found
 
 
 def led_to(exc: BaseException, frame) -> str:
@@ -60,7 +47,7 @@ def read_before_exception(exc: BaseException, watch) -> bool:
     if watch is None or not watch.pending or isinstance(exc, (KeyboardInterrupt,
                                                               SystemExit)):
         return False
-    frame = innermost_user_frame(exc.__traceback__)
+    frame = _frames.innermost_user_frame(exc.__traceback__)
     before = len(watch.violations)
     watch._late = (frame, led_to(exc, frame))
     try:
