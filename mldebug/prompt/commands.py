@@ -110,7 +110,7 @@ class MLCommandSet:
             self.message(f"  hint ({violation.cause}): {violation.hint}")
         for key, value in (violation.evidence or {}).items():
             if key != "producers":        # (the autograd trees: `graph` shows them)
-                self.message(f"  evidence {key}: {_evidence_text(value)}")
+                self.message(f"  measured: {_evidence_text(key, value)}")
         for name, summary in violation.inputs:
             self.message(f"  {name}: {summary}")
         if violation.output is not None:
@@ -294,9 +294,42 @@ class MLCommandSet:
         self.message(history.format(module))
 
 
-def _evidence_text(value) -> str:
-    """'count=4, of=8, first=[1, 0]' for a dict of evidence; the value itself otherwise."""
+# what `why` says of each piece of a stop's evidence (watch/evidence.py names them)
+_EVIDENCE_WORDS = {
+    "masked_rows": lambda e: f"{e.get('count')} of {e.get('of')} rows of {e.get('input')} "
+                             f"are all -inf (first {e.get('first')})"
+                             + (f", written at {e['written_at']}" if e.get("written_at")
+                                else ""),
+    "divisor": lambda e: f"the divisor {e.get('input')} holds {e.get('zeros')} zero(s) of "
+                         f"{e.get('numel')}",
+    "domain": lambda e: f"{e.get('outside')} value(s) of {e.get('input')} outside the "
+                        f"domain [{e.get('low')}, {e.get('high')}], {e.get('at_edge')} on "
+                        f"its edge (min {e.get('min')}, max {e.get('max')})",
+    "in_float32": lambda e: f"computed in float32 the largest |value| is {e.get('max'):,.6g}"
+                            f", past {e.get('dtype')}'s {e.get('dtype_max'):,.6g}",
+    "targets": lambda e: f"{e.get('counted')} of {e.get('total')} targets count (the rest "
+                         f"are ignore_index {e.get('ignore_index')})",
+    "reduced": lambda e: f"each reduced slice has {e.get('elements')} element(s), "
+                         f"correction {e.get('correction')}",
+    "incoming": lambda e: f"the gradient reaching this node is "
+                          f"{'0' if e.get('zero_at_bad') else 'not 0'} where its output is "
+                          f"not finite ({e.get('bad')} value(s))",
+    "eigen_gaps": lambda e: f"{e.get('equal')} pair(s) of equal eigenvalues (smallest gap "
+                            f"{e.get('smallest')})",
+    "optimizer": lambda e: "the optimizer: " + ", ".join(
+        str(v) if k == "type" else f"{k} {v}" for k, v in e.items()),
+}
+
+
+def _evidence_text(key: str, value) -> str:
+    """A piece of a stop's evidence in words; `key: k=v, ...` where there are none."""
+    words = _EVIDENCE_WORDS.get(key)
+    if words is not None and isinstance(value, dict):
+        try:
+            return words(value)
+        except (TypeError, ValueError, KeyError):
+            pass
     if isinstance(value, dict):
-        return ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
-                         for k, v in value.items())
-    return str(value)
+        value = ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
+                          for k, v in value.items())
+    return f"{key}: {value}"
