@@ -72,6 +72,15 @@ def _torchrun(args, cwd, timeout=120):
                           capture_output=True, text=True, env=clean_env(), timeout=timeout)
 
 
+def _expect_each(child, patterns: list[str]) -> None:
+    """Wait until each pattern has been printed, in whatever order the ranks print them
+    (pexpect drops what precedes a match, so one pattern expected at a time could drop
+    another printed before it)."""
+    left = list(patterns)
+    while left:
+        left.pop(child.expect(left))
+
+
 def _exit_codes(out: str) -> dict:
     """rank -> exit code, from torchrun's failure summary."""
     found = re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)",
@@ -435,12 +444,12 @@ def test_interactively_rank_1_prompts_rank_0_waits_and_follows(write_program, tm
                           cwd=str(tmp_path), env=clean_env(), encoding="utf-8", timeout=60,
                           dimensions=(40, 200))
     try:
-        child.expect(r"\[rank 1\] mldebug: 1 NaN from aten\.log")
-        seen = set()
-        while len(seen) < 2:        # the two ranks write to the terminal in any order
-            seen.add(child.expect([
-                r"\(mldebug\)",
-                rf"\[rank 0\] waiting: rank 1 stopped at prog\.py:{line} \(NaN from aten\.log\)"]))
+        # the two ranks write to the terminal in any order: rank 0 hears of the stop
+        # (its doorbell rings) as rank 1 posts it, before rank 1 prints it
+        _expect_each(child, [
+            r"\[rank 1\] mldebug: 1 NaN from aten\.log",
+            r"\(mldebug\)",
+            rf"\[rank 0\] waiting: rank 1 stopped at prog\.py:{line} \(NaN from aten\.log\)"])
         child.sendline("inspect x")
         child.expect(r"x: tensor\[8, 4\] f32")
         child.sendline(command)
@@ -625,13 +634,11 @@ def test_interactively_an_uncaught_exception_holds_the_others_and_ends_them(writ
                           cwd=str(tmp_path), env=clean_env(), encoding="utf-8", timeout=60,
                           dimensions=(40, 200))
     try:
-        seen = set()
-        while len(seen) < 2:
-            seen.add(child.expect([
-                r"\[rank 1\] mldebug: uncaught ValueError: a bad batch on rank 1",
-                rf"\[rank 0\] waiting: rank 1 stopped at prog\.py:{line} \(uncaught "
-                r"ValueError: a bad batch on rank 1"]))
-        child.expect(r"\(mldebug\)")
+        _expect_each(child, [
+            r"\[rank 1\] mldebug: uncaught ValueError: a bad batch on rank 1",
+            r"\(mldebug\)",
+            rf"\[rank 0\] waiting: rank 1 stopped at prog\.py:{line} \(uncaught "
+            r"ValueError: a bad batch on rank 1"])
         child.sendline("q")
         child.expect(r"\[rank 0\] mldebug: rank 1 ended the program at its prompt")
         child.expect(pexpect.EOF)
