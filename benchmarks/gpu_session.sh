@@ -59,7 +59,7 @@ part tests 180 python3 -m pytest -q -p no:cacheprovider $XDIST tests/test_cuda_p
     tests/record/test_record_ops.py tests/record/test_record.py \
     tests/watch/test_step_read.py tests/watch/test_step_ledger.py tests/watch/test_op_budget.py \
     tests/test_cuda_graph_capture.py tests/record/test_block_graphs.py \
-    tests/watch/test_watch_tiers.py
+    tests/watch/test_rerun.py
 # 2. the watch: launch-bound models, then the GPT with 16x the batch (GPU busy)
 part watch 120 python3 benchmarks/bench_watch.py --device cuda --quick --models mlp,cnn,gpt
 part watch_x16 50 python3 benchmarks/bench_watch.py --device cuda --quick --models gpt \

@@ -136,3 +136,8 @@ def warn_at_user_line(message: str, category: type[Warning] = RuntimeWarning) ->
                            module=globals_.get("__name__", "<unknown>"),
                            registry=globals_.setdefault("__warningregistry__", {}),
                            module_globals=globals_)
+
+
+def same_file(a: str, b: str) -> bool:
+    """Two code locations' files are one ('' for none: no user frame on the stack)."""
+    return a == b or bool(a and b) and os.path.abspath(a) == os.path.abspath(b)

@@ -53,6 +53,8 @@ class Violation:
     data: Optional[dict] = None
     # judged at a read after the op ran (a device's window: its frame may be gone)
     read_later: bool = False
+    # gradient accumulation: which backward of the step (1, 2, ...) the stop is in
+    micro_batch: Optional[int] = None
     # a non-finite constant the program wrote on purpose (file:line is that write) has
     # reached what it must not: e.g. 'the model call Net at train.py:31', 'the loss'
     reached: str = ""
@@ -110,6 +112,8 @@ class Violation:
         stage = self.stage
         if self.step is not None:
             stage += f", step {self.step}"
+        if self.micro_batch is not None:
+            stage += f", micro-batch {self.micro_batch}"
         cause = ""
         if self.kind != "assertion":
             made = "this op made it" if self.op else "made there"
@@ -180,6 +184,7 @@ class Stop:
     # another rank's stop behind this one ({"rank", "file", "line", "message"}): the
     # first stop of the job for a peer_stop, the rank a NaN came in from otherwise
     peer: Optional[dict] = None
+    micro_batch: Optional[int] = None  # gradient accumulation: the step's backward it is in
     # the engine's finding behind a NaN/Inf/assertion stop (`why`, the graph's marking,
     # the panels read it from here); not part of the report
     violation: Optional[Violation] = field(default=None, repr=False, compare=False)

@@ -93,7 +93,7 @@ class MLCommandSet:
         if violation.created and violation.op:
             self.message(f"  root cause: this op made the non-finite value from "
                          f"{violation.made_from()}")
-        elif violation.created:       # seen after the fact (a compiled call, a sentinel)
+        elif violation.created:       # seen after the fact (a compiled call, a root's check)
             self.message(f"  root cause: {violation.text or 'made from finite inputs'}")
         elif violation.reached:
             self.message(f"  root cause: {violation.text}")

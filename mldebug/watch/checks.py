@@ -1,21 +1,26 @@
 """The watch's primitives, shared by the per-op check (dispatch.py, verdict.py,
-device_window.py) and the tiers (module_tier.py, backward_tier.py): which tensors are
-checked, in what dtype they are summed, exact counts."""
+device_window.py), the healthy step (step.py) and the re-run (rerun.py): which tensors
+are checked, in what dtype they are summed, exact counts, a host check, and the per-op
+check's mode put on and taken off the dispatch stack."""
 from __future__ import annotations
 
 import math
+import operator
 import sys
 
 import torch
 from torch import Tensor
 
 from ..summaries import nonfinite_counts, summary
+from .native_check import nonfinite as _native_nonfinite
+from .native_check import nonfinite_each as _native_nonfinite_each
 
 _F32 = torch.float32
 _LOW = frozenset(d for d in (torch.float16, torch.bfloat16,
                              getattr(torch, "float8_e4m3fn", None),
                              getattr(torch, "float8_e5m2", None)) if d is not None)
 _isfinite = math.isfinite
+_is_cpu = operator.attrgetter("is_cpu")     # (in map(): no Python call per tensor)
 _grad_enabled = torch.is_grad_enabled
 # floating dtype -> dtype to sum in (None: its own; float32 for the low-precision ones,
 # whose sum would overflow); missing: not checked (integer, bool, complex)
@@ -72,3 +77,108 @@ def _checkable(t) -> bool:
 
 def _floating(t) -> bool:
     return isinstance(t, Tensor) and t.is_floating_point()
+
+
+# False while tests run the device paths on the CPU (core.simulate_device): CPU tensors
+# are then held and read as a device's. (dispatch.py keeps its own copy for its hot path.)
+HOST_READS = True
+_OWN_SUM = (torch.float32, torch.float64)    # summed in their own dtype (no copy)
+
+
+def host_nonfinite(x) -> bool:
+    """Whether CPU tensor X (floating) holds a NaN/Inf: the C bit test (no op, no read),
+    else one sum and one read."""
+    bad = _native_nonfinite(x)
+    if bad is None:
+        d = x.detach()
+        s = d.sum() if d.dtype in _OWN_SUM else d.sum(dtype=_F32)
+        bad = not _isfinite(s.item())
+    return bad
+
+
+def host_bad(tensors) -> list:
+    """The indices of the CPU TENSORS (floating) that hold a NaN/Inf: `host_nonfinite`
+    of each, the C bit test of all of them in one call."""
+    bad = []
+    for i, found in enumerate(_native_nonfinite_each(tensors)):
+        if found or found is None and host_nonfinite(tensors[i]):
+            bad.append(i)
+    return bad
+
+
+def any_nonfinite(tensors) -> bool:
+    """Whether any of TENSORS (floating, checkable) may hold a NaN/Inf: on the CPU one
+    check each, elsewhere one total per device and one read each (rare paths only)."""
+    by_device: dict = {}
+    for x in tensors:
+        if x.is_cpu and HOST_READS:
+            if host_nonfinite(x):
+                return True
+        else:
+            by_device.setdefault(x.device, []).append(x)
+    for xs in by_device.values():
+        with torch.no_grad():
+            total = torch.stack([x.sum(dtype=_F32) for x in xs]).sum()
+        if not _isfinite(total.item()):
+            return True
+    return False
+
+
+# -- the per-op check's mode on the dispatch stack -----------------------------------
+_pop_mode = torch._C._pop_torch_dispatch_stack
+_push_mode = torch._C._push_on_torch_dispatch_stack
+_stack_len = torch._C._len_torch_dispatch_stack
+_stack_at = torch._C._get_dispatch_stack_at
+
+
+def mode_on_top(mode) -> bool:
+    n = _stack_len()
+    return bool(n) and _stack_at(n - 1) is mode
+
+
+def pop_if_top(mode) -> bool:
+    """Take MODE off the dispatch stack when it is on top; whether it was."""
+    if mode is not None and mode_on_top(mode):
+        _pop_mode(None)
+        return True
+    return False
+
+
+def push(mode) -> None:
+    _push_mode(mode)
+
+
+class mode_off:
+    """The per-op mode off the stack for a block (mldebug's own ops): cheaper than
+    suspending it, which still costs a Python call per op."""
+
+    __slots__ = ("mode", "popped")
+
+    def __init__(self, mode):
+        self.mode = mode
+
+    def __enter__(self):
+        self.popped = pop_if_top(self.mode)
+
+    def __exit__(self, *exc):
+        if self.popped:
+            _push_mode(self.mode)
+
+
+class mode_on:
+    """The per-op mode on top of the stack for a block (a re-run needs it), also from
+    where it is off: inside a root call, backward, the optimizer step."""
+
+    __slots__ = ("mode", "pushed")
+
+    def __init__(self, mode):
+        self.mode = mode
+
+    def __enter__(self):
+        self.pushed = self.mode is not None and not mode_on_top(self.mode)
+        if self.pushed:
+            _push_mode(self.mode)
+
+    def __exit__(self, *exc):
+        if self.pushed:
+            pop_if_top(self.mode)

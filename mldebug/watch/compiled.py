@@ -82,6 +82,7 @@ def _checked(compiled, fn, active_watch):
         # held for a later read: by then the buffer holds what they did not make. Its
         # outputs are checked here, at its return
         watch._in_compiled += 1
+        watch._compiled_seen = True
         try:
             out = compiled(*args, **kwargs)
         finally:

@@ -1,14 +1,34 @@
-"""Where an op runs: the module stack (global module hooks), the optimizer stage
-(global optimizer step hooks), module paths and parameter names.
+"""Where an op runs: module paths and parameter names, from a module record.
 
-Names are computed lazily, only when a violation is reported: the hot path keeps a linked
-record `(module, parent_record)` per module call and nothing else.
+A record is a linked `(module, parent_record)`: the full watch's module hooks keep one
+per call (`Watch._top`); outside the roots, where no hook runs, `module_record` reads it
+off the Python stack at a stop. Names are computed lazily, only when a stop is reported.
 """
 from __future__ import annotations
 
 import weakref
 
+import torch.nn as nn
+
 from ..core.modnames import module_names
+
+_CALL_CODE = nn.Module._call_impl.__code__
+
+
+def module_record(frame):
+    """The record of the module calls running at FRAME, read off the stack (the frames
+    of `Module._call_impl` hold their module), or None outside every module."""
+    calls = []
+    while frame is not None:
+        if frame.f_code is _CALL_CODE:
+            module = frame.f_locals.get("self")
+            if isinstance(module, nn.Module):
+                calls.append(module)
+        frame = frame.f_back
+    record = None
+    for module in reversed(calls):
+        record = (module, record)
+    return record
 
 
 class ModuleNames:

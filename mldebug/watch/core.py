@@ -1,23 +1,54 @@
-"""The watch itself: the `Watch` lifecycle (start, close, suspend), the global module and
-optimizer hooks that say where an op runs, and the provenance that backward reports.
+"""The watch: its design, its state, its lifecycle.
 
-What a `Watch` does is spread over mixins, one per concern (each module says more):
-  dispatch.py       the per-op check: `_Mode`, the TorchDispatchMode on every aten op
-  verdict.py        the stop rule: an op's non-finite output -> `Violation` or not; reporting
-  step_ledger.py    every check of a tensor on a device (CUDA): held, reduced by a few
-                    fused ops and read once a window, or once a training step
-  device_window.py  the per-op check's outputs on a device: judged at the ledger's read
-  module_tier.py    inside module calls: output sentinels, replay of a flagged call
-  backward_tier.py  around `loss.backward()`: loss region, gradient sentinels, replay
-  optimizer_tier.py around `optimizer.step()`: the step read, parameters and state after
-  marks.py          NaN/Inf the program writes on purpose: where they must not go
+Design: check at the roots, re-run to pin (JAX's `jax_debug_nans`: run the computation
+as it is, check its outputs cheaply, and only when one is non-finite run it again op by op
+to find the op).
 
-By default the per-op check runs only outside module calls (data handling, the loss):
-inside them, in backward and in the optimizer step the mode is off the stack and cheaper
-sentinels check instead, re-running a flagged call under the mode (tiers.py).
+- Two ways to watch. The *full watch* checks every floating output of every aten op (the
+  per-op check: a TorchDispatchMode, dispatch.py) and names every module call (global
+  module hooks keep a stack of them): it stops at the op, in its module, at its line.
+  The *cheap check* looks only at the *roots* (the outermost module calls: the model, a
+  loss module), at backward and at the optimizer step, with a few multi-tensor ops and,
+  on a device, one host read a step (step.py). Every module below a root runs on
+  torch's fast call path, with nothing of mldebug's.
+- Where no root runs (data handling, the loss written in the training loop) the per-op
+  check stays on: there is no call to re-run there.
+- One healthy-step path (step.py, then update.py, top to bottom): a root's pre-hook
+  records the call (roots.RootCall: arguments as passed, RNG, autocast, buffers at the
+  start) and takes the per-op check off the stack; its post-hook puts it back, checks the outputs and keeps
+  their gradients (a pre-hook on each output's autograd node). `loss.backward()` runs
+  the loss region op by op when it can make a NaN/Inf, the rest without the mode, then
+  checks the outputs' and the parameters' gradients. `optimizer.step()` reads once
+  before the update (on a device) and checks the parameters and the optimizer's state
+  after it (on a device, with the next step's read: one step late).
+- One re-run path (rerun.py): a check that finds a NaN/Inf re-runs the root call (and
+  its backward, for a gradient) under the full watch, from its record, as it started;
+  the stop is the full watch's. When the re-run does not make the value again, the stop
+  says so and names what the check saw.
+- The full watch runs on its own for `exact=True` (a sync per op on a device) and while
+  the roots are learned (roots.py: from the start to the first optimizer step, or to a
+  root's second call, the global hooks see every call; the roots' calls take the cheap
+  path already).
+- Checks on the CPU read memory in place (native_check.py: no op, no read); on a device
+  they are held by the ledger (step_ledger.py) and read once: at `optimizer.step()` in
+  training, at a call's end otherwise. The ops outside the roots wait in the device
+  window (device_window.py) for the same read.
+- The stop rule (verdict.py) is the same for all: what an op makes from finite inputs,
+  or what first comes in from outside; values that flow on from a judged one are not
+  new stops (the taint, by storage); NaN/Inf written on purpose stop only where they
+  reach a model call, the loss, a gradient or a parameter (marks.py).
+
+State: every attribute of `Watch` is set in `__init__`, with what it is for. The class
+is split by job into mixins, one module each: PerOpCheck (dispatch.py), Verdict
+(verdict.py), DeviceWindow (device_window.py), DeviceReads (step_ledger.py), Roots
+(roots.py), HealthyStep (step.py), OptimizerStep (update.py), Rerun (rerun.py),
+CompiledBoundary (compiled.py), GraphReplays (graph_replays.py), WrittenMarks (marks.py:
+NaN/Inf the program writes on purpose, and where they must not go). This module: the
+lifecycle and the global hooks.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import warnings
@@ -37,35 +68,27 @@ from ..core.compile import dynamo_compiling as _dynamo_compiling
 from ..core.compile import silence_global_hook_warning
 from ..core.device_path import simulated_by_env
 from ..core.errors import UsageError
-from . import backward_tier as _backward_tier
+from . import checks as _checks
 from . import compiled as _compiled
 from . import data_origin as _data_origin
 from . import dispatch as _dispatch
-from . import module_tier as _module_tier
-from . import safe as _safe
-from . import tiers as _tiers
 from .amp import LossScaling
-from .backward_tier import BackwardTier
+from .checks import _ALLOWED, METADATA_KEY, _caller, mode_off
 from .compiled import CompiledBoundary
-from .checks import _ALLOWED, METADATA_KEY, _caller
 from .context import ModuleNames
 from .device_window import DeviceWindow
-from .graph_replays import GraphReplays
 from .dispatch import _OP_INFOS, PerOpCheck, _Mode, _skip_dynamo
+from .graph_replays import GraphReplays
 from .marks import WrittenMarks
-from .module_tier import ModuleTier
-from .optimizer_tier import OptimizerTier
-from .step_ledger import DeviceReads, StepLedger, cuda_graph_aside, memory_addresses
-from .tiers import TierState
+from .rerun import Rerun
+from .roots import Roots, _RootHook, call_kwargs
+from .step import HealthyStep
+from .update import OptimizerStep
+from .step_ledger import DeviceReads, StepLedger, cuda_graph_aside
 from .verdict import Verdict
 
 _get_ident = threading.get_ident
 _graph_task_id = torch._C._current_graph_task_id
-
-
-def _in_autograd_backward() -> bool:
-    """Whether autograd's engine runs a backward on this thread now."""
-    return _graph_task_id() != -1
 
 _ACTIVE = None             # the running Watch
 _DYNAMO_MARKED = False     # code objects marked for dynamo to skip
@@ -73,23 +96,13 @@ _IN_CHILD = False          # set in forked children (DataLoader workers): do not
 
 
 def simulate_device(on: bool) -> None:
-    """Tests: treat CPU tensors as a device's (sums kept, read once per window, replays
-    and dry runs read op by op), so that a machine without a GPU runs the device paths."""
-    _dispatch._HOST_READS = _module_tier._HOST_READS = _backward_tier._HOST_READS = \
-        _tiers._HOST_READS = not on
+    """Tests: treat CPU tensors as a device's (held, read once per step, re-runs read op
+    by op), so that a machine without a GPU runs the device paths."""
+    _dispatch._HOST_READS = _checks.HOST_READS = not on
 
 
 if simulated_by_env():       # developers (core/device_path.py)
     simulate_device(True)
-
-_Sequential = torch.nn.Sequential
-
-
-def _plan(module):
-    """Module records inside calls hold (module, parent record, RNG, plan, code): the
-    plan of an exact nn.Sequential says which children's outputs need no sentinel, the
-    code is that of this call's module in its parent's plan (safe.sequential_plan)."""
-    return _safe.sequential_plan(module) if type(module) is _Sequential else None
 
 
 def _after_fork_in_child():
@@ -108,13 +121,13 @@ def active_watch():
     return _ACTIVE
 
 
-class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, BackwardTier,
-            OptimizerTier, CompiledBoundary, GraphReplays, WrittenMarks):
+class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, Roots, HealthyStep, OptimizerStep,
+            Rerun, CompiledBoundary, GraphReplays, WrittenMarks):
     """A running numerics watch. Use as a context manager or call `close()`.
 
     `enabled` is True while it checks ops (started, not suspended, not in a worker
     process). `suspended()` switches checks off for a block (the debugger prompt).
-    `violations` lists what was reported; `seen` counts non-finite outputs judged.
+    `violations` lists what was reported.
     """
 
     def __init__(self, on_violation=None, break_on=("nan", "inf"), allow=(), action="break",
@@ -123,63 +136,96 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
             raise UsageError(f"action must be 'break' or 'raise', action={action!r}")
         if not isinstance(exact, bool):
             raise UsageError(f"exact must be True or False, exact={exact!r}")
-        # exact: the per-op check everywhere (no tiers, no replays; slower). Otherwise
-        # module calls and backward are checked by sentinels and replayed (tiers.py).
-        self.exact = exact
-        self._t = TierState()
-        self._open = self._t.open   # read on every op (same dict, never rebound)
-        self._judged = 0            # non-finite outputs judged by the exact check
+        # -- what it stops on, and how
+        self.exact = exact          # the full watch everywhere: no roots, no re-runs
         self.break_on = parse_break_on(break_on)
         self.allow = tuple([allow] if isinstance(allow, str) else allow)
         self.action = action
         self.on_violation = on_violation
-        self.violations: list = []
-        self._infos = _OP_INFOS     # shared: an OpInfo depends on the overload only
-        self._mode = None
-        self._handles: list = []
+        self.violations: list = []  # what was reported
+        # -- lifecycle
         self._started = False
         self._skip = True           # read on every op: closed, suspended or in a child
         self._suspend = 0
-        self._owner = None
+        self._owner = None          # the thread that started it
         self._pid = None
-        self._top = None            # module stack: (module, parent_record) or None
-        self._names = ModuleNames()
+        self._mode = None           # the per-op check (dispatch._Mode)
+        self._handles: list = []    # optimizer hooks
+        self._module_handles: list = []   # global module hooks, while installed
+        self._global_hooks = False  # ... (learning, re-runs, exact, compiled roots)
+        self._root_hooks: list = []       # the roots' own hooks
+        # -- the per-op check (dispatch.py, device_window.py)
+        self._infos = _OP_INFOS     # shared: an OpInfo depends on the overload only
         self._pending: list = []    # forward outputs waiting for their grad_fn
-        self._stash: list = []      # violations found off the owner thread
         self._win: list = []        # device window entries
+        self._stash: list = []      # violations found off the owner thread
         self._in_compiled = 0       # a compiled function runs (compiled.py): not held
-        self._ledger = StepLedger() # device tensors waiting for their read (step_ledger.py)
-        self._step_grads: dict = {} # id(param) -> (counts, judged, from a stop) of its
-                                    # non-finite gradient at the last step (on a device)
-        self._bwd_queued = False
-        self._opt_depth = 0
-        self._optimizer = None
-        self._steps = 0
-        self._opt_seen = False
+        self._compiled_seen = False  # ... ran since the start (compiled with our hooks)
+        self._bwd_queued = False    # a callback at the end of the running backward
+        # -- the verdicts (verdict.py)
+        self._taint: dict = {}      # storage ptr -> (weakref, version, has_nan, has_inf,
+                                    # lineage) of non-finite values judged
+        self._judged = 0            # non-finite outputs judged by the per-op check
         self._opt_stop_step = None  # optimizer step of the last optimizer-stage stop
-        self._taint: dict = {}      # storage ptr -> (weakref, version, has_nan, has_inf)
+        self._stop_step = None      # step of the last stop
+        self._fruitless: dict = {}  # (root, nan?, inf?) -> (lineage, Mark or None): its
+                                    # re-run found no stop
+        self._judged_grads: dict = {}   # id(param) -> param whose non-finite gradient was
+                                        # judged (until it is reset)
+        self._amp = LossScaling()   # GradScaler's scaled losses (amp.py)
         self._marks: dict = {}      # storage ptr -> (weakref, version, Mark): of those, the
                                     # values written on purpose or flowing from one (marks.py)
         self._nan_marks: dict = {}  # storage ptr -> weakref: of those, the ones with a NaN
         self._flowed_mark = None    # the Mark of the last value judged to flow from one
-        self._compile_warned = False
-        self._amp = LossScaling()   # GradScaler's scaled losses (amp.py)
         self._late = None           # (frame, text) while read before an exception
+        self._constant_unread = False   # a device's op wrote a NaN/Inf constant (or one
+                                        # flowing from it) that no read has judged yet
+        # -- where an op runs
+        self._top = None            # full watch: module stack, (module, parent record)
+        self._names = ModuleNames()
+        self._recomputing: list = []   # full watch: modules whose forward runs again
+                                       # inside backward (torch.utils.checkpoint)
+        self._inside = 0            # depth inside a root call (the per-op check is off)
+        self._root_popped = False   # ... and it was on the stack as the call began
+        self._call = None           # the running root call (step.RootCall)
+        self._in_backward = 0       # a checked backward runs (the per-op check is off)
+        self._opt_depth = 0         # inside optimizer.step()
+        self._opt_popped = False    # ... without the per-op check
+        self._optimizer = None
+        self._rerunning = 0         # a re-run runs (the full watch)
+        self._read_now = 0          # a re-run or dry run: device outputs read op by op
+        self._rerun = None          # (where it started, the call's line, micro-batch)
+        self._rerun_lineage = False  # the last re-run's outputs descend from a stop
+        self._rerun_mark = None     # ... or from a constant written on purpose (marks.py)
+        self._compile_warned = False
+        # -- the roots (step.py)
+        self._learning = not exact  # the full watch runs and learns the roots (roots.py)
+        self._learning_root = None  # the root whose call runs while learning
+        self._learned = False       # ... a root was called a second time
+        self._roots: dict = {}      # id(module) -> roots.RootInfo
+        # -- the training step
+        self._calls: list = []      # root calls with a gradient, waiting for backward
+        self._micro = 0             # backwards since the last optimizer step
+        self._accumulating = False  # ... more than one before a step (a stop names it)
+        self._steps = 0             # optimizer steps taken
+        self._opt_seen = False
+        self._step_grads: dict = {}  # id(param) -> (counts, judged, from a stop) of its
+                                     # gradient read before the last step (a device)
+        self._ledger = StepLedger()  # device tensors waiting for their read
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> "Watch":
-        global _ACTIVE
+        global _ACTIVE, _DYNAMO_MARKED
         if self._started:
             return self
         if _ACTIVE is not None and _ACTIVE is not self:
             raise UsageError("a watch is already running; close it before starting another")
         self._owner = _get_ident()
         self._pid = os.getpid()
-        global _DYNAMO_MARKED
+        self._learning, self._learned = not self.exact, False
         if not _DYNAMO_MARKED:
-            # (the classes that held Watch's methods before they were split up; the
-            # tiers' were not marked then either)
-            _skip_dynamo((_Mode, Watch, PerOpCheck, Verdict, DeviceWindow))
+            _skip_dynamo((_Mode, Watch, PerOpCheck, Verdict, DeviceWindow, Roots, HealthyStep,
+                          OptimizerStep, _RootHook))
             _DYNAMO_MARKED = True
         silence_global_hook_warning()
         _compiled.install(active_watch)     # what torch.compile returns for a function
@@ -187,9 +233,8 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
         self._mode = _Mode(self)
         self._mode.__enter__()
         try:
+            self._install_module_hooks()    # the full watch (exact) or learning the roots
             self._handles = [
-                _module_hooks.register_module_forward_pre_hook(self._module_pre),
-                self._register_post_hook(),
                 _optim_hooks.register_optimizer_step_pre_hook(self._optimizer_pre),
                 _optim_hooks.register_optimizer_step_post_hook(self._optimizer_post),
             ]
@@ -198,6 +243,7 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
             self._amp.start()
             self._graphs_start()            # a CUDA graph's outputs, after its replays
         except BaseException:
+            self._remove_module_hooks()
             self._close_mode()
             raise
         self._started = True
@@ -206,11 +252,21 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
         self._update_skip()
         return self
 
-    def _register_post_hook(self):
+    def _install_module_hooks(self) -> None:
         try:
-            return _module_hooks.register_module_forward_hook(self._module_post, always_call=True)
+            post = _module_hooks.register_module_forward_hook(self._module_post,
+                                                              always_call=True)
         except TypeError:  # torch without always_call
-            return _module_hooks.register_module_forward_hook(self._module_post)
+            post = _module_hooks.register_module_forward_hook(self._module_post)
+        self._module_handles = [
+            _module_hooks.register_module_forward_pre_hook(self._module_pre), post]
+        self._global_hooks = True
+
+    def _remove_module_hooks(self) -> None:
+        for handle in self._module_handles:
+            handle.remove()
+        self._module_handles = []
+        self._global_hooks = False
 
     def close(self, _flush: bool = True) -> None:
         """Stop watching and remove every mode and hook (idempotent)."""
@@ -223,24 +279,21 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
         finally:
             self._started = False
             self._skip = True
-            for handle in self._handles:
+            for handle in self._handles + self._root_hooks:
                 handle.remove()
-            self._handles = []
+            self._handles, self._root_hooks = [], []
+            self._remove_module_hooks()
             _autograd_patch.remove(self._around_backward)
             self._graphs_close()
             _compiled.uninstall()
             _data_origin.uninstall()
             self._amp.stop()
             self._close_mode()
-            self._t = TierState()
-            self._open = self._t.open
-            self._pending = []
-            self._win = []
+            self._pending, self._win, self._stash, self._calls = [], [], [], []
             self._ledger = StepLedger()
-            self._step_grads = {}
-            self._stash = []
-            self._top = None
-            self._opt_depth = 0
+            self._step_grads, self._roots = {}, {}
+            self._top = self._call = None
+            self._inside = self._opt_depth = 0
             if _ACTIVE is self:
                 _ACTIVE = None
             _quiet.watch_closed(self)
@@ -252,9 +305,9 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
                 and bool(self._win or self._ledger or self._stash))
 
     def flush(self) -> None:
-        """Judge now what is still pending: the device window, and stops found on
-        autograd's device threads (they pause on this thread). The CLI calls it when the
-        program ends; `close()` does too."""
+        """Judge now what is still pending: the device window and the ledger, and stops
+        found on autograd's device threads (they pause on this thread). The CLI calls it
+        when the program ends; `close()` does too."""
         if not self._started or _get_ident() != self._owner:
             return
         if self._win:
@@ -268,8 +321,8 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
         mode, self._mode = self._mode, None
         if mode is None:
             return
-        if self._t.popped:       # off the stack already (closed inside a module call)
-            self._t.popped = False
+        if self._root_popped or self._opt_popped:   # off the stack already (closed inside
+            self._root_popped = self._opt_popped = False   # a root call or the step)
             return
         n = torch._C._len_torch_dispatch_stack()
         if n and torch._C._get_dispatch_stack_at(n - 1) is mode:
@@ -315,109 +368,66 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
         return _Suspended(self)
 
     def _own_ops(self):
-        """mldebug's own ops (counts, summaries) off the exact mode and unwatched."""
-        stack = _tiers.contextlib.ExitStack()
+        """mldebug's own ops (counts, summaries) off the per-op check and unwatched."""
+        stack = contextlib.ExitStack()
         stack.enter_context(self.suspended())
-        stack.enter_context(_tiers.mode_off(self._mode))
+        stack.enter_context(mode_off(self._mode))
         return stack
 
     def _update_skip(self):
         self._skip = (not self._started) or self._suspend > 0 or _IN_CHILD or (
             self._pid is not None and os.getpid() != self._pid)
 
-    # -- hooks -----------------------------------------------------------------------
+    # -- the global module hooks: the full watch's module stack, learning the roots --
     def _module_pre(self, module, args):
         if _dynamo_compiling() or _FLAG._is_compiling_flag or self._skip \
                 or _get_ident() != self._owner:
             return None
+        if self._inside or not (self.exact or self._learning or self._rerunning):
+            # a root's call runs, or a compiled root kept these hooks: the cheap path
+            return self._root_pre(module, args, call_kwargs(_caller(1)))
         if _cuda_graphs.MAYBE[0] and cuda_graph_aside():
             self._captured_call_begins()
             return None
         if self._stash:
             self._deliver_stash()
         top = self._top
-        t = self._t
-        if top is None and not t.replaying and _in_autograd_backward():
-            # a module's forward inside backward: a checkpoint recomputing what the
-            # forward computed (and judged) already
-            t.recomputing.append(module)
-        elif top is None and t.recomputing:
-            t.recomputing.clear()   # a forward again: no recomputation is open (one that
-                                    # raised a BaseException never ran its post hook)
         if top is None:
+            if not self._rerunning and _graph_task_id() != -1:
+                # a module's forward inside backward: a checkpoint recomputing what the
+                # forward computed (and judged) already
+                self._recomputing.append(module)
+            elif self._recomputing:
+                self._recomputing.clear()   # a forward again: no recomputation is open
             self._names.roots.add(module)
-            if self._nan_marks and not (t.replaying or t.recomputing or self._opt_depth):
-                # a NaN written on purpose must not reach a model call (marks.py)
+            if (self._nan_marks or self._constant_unread) and not (
+                    self._rerunning or self._recomputing or self._opt_depth):
+                # a NaN written on purpose must not reach a model call (marks.py); one
+                # written on a device is judged by a read (the full watch reads op by
+                # op anyway)
+                if self._constant_unread:
+                    self._read_ledger()
                 self._check_call_marks(module, args)
             if not self._compile_warned and type(module).__name__ == "OptimizedModule":
                 self._compile_note(module)
-            # (a recomputation after a stop runs op by op: what it makes again is marked
-            # as the stop's, so its backward is no new stop)
-            if not (self.exact or t.popped or t.replaying or t.in_backward or self._opt_depth
-                    or (t.recomputing and self.violations)):
-                # an outermost call: exact mode off inside, sentinels on (tiers.py)
-                t.start_rng = _tiers.rng_state()
-                t.flag = None
-                t.done = False
-                t.last_out = None
-                t.shown = {}
-                t.shown_ok = _safe.grads_local()
-                t.popped = _tiers.pop_if_top(self._mode)
-                if t.popped:
-                    if self._ledger._held:
-                        self._reduce_arguments(args)
-                    self._top = (module, None, t.start_rng, _plan(module), 0)
-                    return None
-        elif t.popped and not t.replaying:
-            plan = top[3] if len(top) > 3 else None
-            code = plan.get(id(module), 0) if plan else 0
-            if not code & _safe.NO_GRAD_CHECK and t.shown_ok \
-                    and _safe.params_show_grad(module):
-                # its output's gradient is checked in its parameters' gradients
-                code |= _safe.PARAMS_SHOW_GRAD
-                t.shown[id(module)] = module   # (once, however often it is called)
-            # the RNG as this call starts: a replay of just this call draws the same
-            # (one whose output its Sequential leaves to the next child is never replayed
-            # alone: its flag is the next child's, which defers to the Sequential)
-            rng = None if code & _safe.NO_FORWARD_CHECK else _tiers.rng_state()
-            self._top = (module, top, rng, _plan(module), code)
-            return None
+        if self._learning and not self._rerunning and not self._recomputing:
+            info = self._learn_pre(module, args, top, _caller(1))
+            if info is not None and info.compiled:
+                # (the full watch cannot look inside compiled code: a compiled root
+                # takes the cheap path from its first call, and a re-run pins the op)
+                return self._root_pre(module, args, call_kwargs(_caller(1)))
         self._top = (module, top)
         return None
-
-    def _reduce_arguments(self, args):
-        """An outermost call begins with the per-op check off: it may write an argument
-        in place (`nn.ReLU(inplace=True)` turns -inf into 0) unseen. A temporary the
-        ledger holds in an argument's memory (the device window's output, read later) is
-        reduced first (queued, no sync), so its check sees what the op that made it
-        made."""
-        kwargs = _tiers.call_kwargs(_caller(1))
-        self._ledger.reduce_before_write(memory_addresses(_tiers.flat_tensors((args, kwargs))))
-
-    def _compile_note(self, module):
-        self._compile_warned = True
-        inner = type(getattr(module, "_orig_mod", module)).__name__
-        _frames.warn_at_user_line(
-            f"mldebug: {inner} runs under torch.compile: the watch checks its outputs and "
-            "gradients at the compiled boundary, and pins a NaN/Inf inside by re-running the "
-            "call")
 
     def _module_post(self, module, args, output):
         if _dynamo_compiling() or _FLAG._is_compiling_flag or self._skip \
                 or _get_ident() != self._owner:
             return None
-        if _cuda_graphs.MAYBE[0] and cuda_graph_aside():
-            self._captured_call_ends(module, output)   # (checked after each replay)
-            return None
+        if self._inside or not (self.exact or self._learning or self._rerunning):
+            return self._root_post(module, args, None, output)
+        if self._recomputing and self._recomputing[-1] is module:
+            self._recomputing.pop()
         top = self._top
-        t = self._t
-        if t.recomputing and t.recomputing[-1] is module:
-            t.recomputing.pop()
-        if (t.popped and not t.replaying and output is not None and top is not None
-                and top[0] is module):
-            self._sentinel(output, top)      # (a re-run has the exact mode on instead)
-            if t.flag is not None and t.flag[0] is top and not t.done:
-                self._flagged_call(module, args, output, top)
         if top is not None and top[0] is module:
             self._top = top[1]
         else:  # unbalanced (a hook-less exit): unwind to the module if it is on the stack
@@ -426,14 +436,21 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, ModuleTier, Backward
                 record = record[1]
             if record is not None:
                 self._top = record[1]
-        if self._top is None:
-            if t.popped:
-                _tiers.push(self._mode)
-                t.popped = False
-                self._root_end(module, args, output)
-            if self._win:
-                self._flush_window()
+        if self._learning and not self._rerunning:
+            self._learn_post(module, args, _caller(1))
+            if self._top is None and self._learned:
+                self._end_learning()     # (a root's second call: the roots are known)
+        if self._top is None and self._win and not self._rerunning:
+            self._flush_window()
         return None
+
+    def _compile_note(self, module):
+        self._compile_warned = True
+        inner = type(getattr(module, "_orig_mod", module)).__name__
+        _frames.warn_at_user_line(
+            f"mldebug: {inner} runs under torch.compile: the watch checks its outputs and "
+            "gradients at the compiled boundary, and pins a NaN/Inf inside by re-running the "
+            "call")
 
     # -- provenance for backward -----------------------------------------------------
     def _provenance(self, info):
@@ -512,9 +529,10 @@ def watch(on_violation=None, break_on=("nan", "inf"), allow=(), action="break",
     """Start watching every op for NaN/Inf; returns the running `Watch` (close() it, or
     use it as a context manager).
 
-    exact=False (default): inside module calls and backward, cheap sentinels check
-    module outputs and gradients, and a flagged call is re-run under the per-op check to
-    find its op (see tiers.py). exact=True: the per-op check everywhere, no re-runs."""
+    exact=False (default): the roots (outermost module calls), backward and the
+    optimizer step are checked cheaply, the ops outside them one by one, and a NaN/Inf
+    is pinned by re-running its call under the per-op check (see this module's
+    docstring). exact=True: the per-op check everywhere, no re-runs."""
     return Watch(on_violation=on_violation, break_on=break_on, allow=allow,
                  action=action, exact=exact).start()
 

@@ -1,8 +1,8 @@
-"""The device window: outputs of the per-op check (outside module calls: the loss, data
-handling) on a non-CPU device (CUDA) are held by the ledger without an op or a sync
-(step_ledger.py), and the window's judge is registered when it ends (the outermost module
-returns, backward ends, the optimizer steps, every WINDOW_MAX ops, close()); the ledger is
-read then, or at the training step's read. A flagged op is judged as the per-op check
+"""The device window: outputs of the per-op check (outside the roots' calls: the loss,
+data handling) on a non-CPU device (CUDA) are held by the ledger without an op or a sync
+(step_ledger.py), and the window's judge is registered when it ends (a root call starts,
+backward starts or ends, the optimizer steps, every WINDOW_MAX ops, close()); the ledger
+is read then, or at the training step's read. A flagged op is judged as the per-op check
 would have (verdict.py), with the inputs and outputs that are still alive.
 
 Mixed into `Watch` (core.py).
@@ -17,8 +17,9 @@ from torch import Tensor
 
 from ..core import cuda_graphs as _cuda_graphs
 from ..core import frames as _frames
-from . import tiers as _tiers
+from ..core.structs import tensors_in
 from .checks import _F32, METADATA_KEY, _counts, _floating, _getframe, _isfinite
+from .context import module_record
 from .step_ledger import cuda_graph_aside, first_bad
 
 _current_node = torch._C._current_autograd_node
@@ -27,6 +28,9 @@ _USER = _frames._is_user_cache     # file name -> is user code (filled by is_use
 _is_user_file = _frames.is_user_file
 
 WINDOW_MAX = 1024          # device window: read the flags at least every this many ops
+# a module's forward called by torch's module call (fast path, or its hooks' `inner`)
+_CALL_CODES = frozenset([torch.nn.Module._call_impl.__code__] + [
+    c for c in torch.nn.Module._call_impl.__code__.co_consts if hasattr(c, "co_name")])
 
 
 class DeviceWindow:
@@ -54,14 +58,16 @@ class DeviceWindow:
             return None                      # (checked at its return: compiled.py)
         if flat is None:
             flat = outs
-        if self._t.read_now or self.exact:
-            # a re-run or the loss region's dry run is there to pin the op, and `exact`
-            # pauses at the op itself: read now (a sync per op), while the op's inputs
-            # (and its frame) are alive to judge
+        if self._read_now or self.exact or self._learning_root is not None \
+                or self._recomputing:
+            # a re-run or the loss region's dry run is there to pin the op, `exact` and a
+            # root's call while the roots are learned pause at the op itself, a
+            # checkpoint's recomputation is judged as it recomputes: read now (a sync per
+            # op), while the op's inputs (and its frame) are alive to judge
             sums = [t.sum(dtype=_F32) for t in flat]
             total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
             if not _isfinite(total.item()):
-                if (self._ledger or self._win) and not self._t.replaying:
+                if (self._ledger or self._win) and not self._rerunning:
                     # what ran before (a forward waiting for the step's read) is judged
                     # first, as the host path judged it already: a NaN it made is then
                     # known here, not a new stop (the loss's dry run in backward)
@@ -72,6 +78,7 @@ class DeviceWindow:
         with ledger._lock:                   # no op here: reduced with the window
             slots = ledger._hold(flat, False)
         node = _current_node()
+        record = self._top
         if node is not None:
             stage, node_name = "backward", node.name()
             node_prov = node.metadata.get(METADATA_KEY)
@@ -95,12 +102,21 @@ class DeviceWindow:
                     break
                 f = f.f_back
             here = (f.f_code.co_filename, f.f_lineno, f.f_code.co_name) if f is not None else None
+            if self._top is None and f is not None and f.f_back is not None \
+                    and f.f_back.f_code in _CALL_CODES:
+                record = module_record(f)      # (a module outside the roots)
         # inputs already judged non-finite, noted now: they may be freed by the time the
         # window is read (a temporary), and then nothing says where their values came from
         prior = None
         if self._taint:
-            prior = [k for k in map(self._known_with_mark,
-                                    _tiers.flat_tensors((args, kwargs))) if k is not None]
+            prior = [k for k in map(self._known_with_mark, tensors_in((args, kwargs)))
+                     if k is not None]
+            if not self._constant_unread and any(k[3] is not None for k in prior):
+                self._constant_unread = True    # (flowing from one: judged at the read)
+        if info.writes and not self._constant_unread and _writes_nonfinite(args, kwargs):
+            # a NaN/Inf written on purpose (marks.py) is known at the read: the model
+            # calls and the losses before it look for it then (step.py)
+            self._constant_unread = True
         # the arguments and outputs held weakly: a flat tuple of tensors and scalars (most
         # ops) without a call. With each tensor argument, the address of its memory: if it
         # is gone by the read, an earlier op of the window that wrote there tells what it
@@ -161,7 +177,7 @@ class DeviceWindow:
             except Exception:                # noqa: BLE001 - (a subclass without storage)
                 pass
         self._win.append((slots, func, info, wargs, wkwargs, wouts,
-                          (stage, node_name, node_prov, self._top, here), prior,
+                          (stage, node_name, node_prov, record, here), prior,
                           flat[0].dtype, safe, memory, written))
         if len(self._win) >= WINDOW_MAX:
             self._flush_window()
@@ -256,6 +272,14 @@ class DeviceWindow:
                 self._marks[address] = (storage_ref, version, mark[2])
                 if rec[2]:
                     self._nan_marks[address] = storage_ref
+
+
+def _writes_nonfinite(args, kwargs) -> bool:
+    """Whether a constant writer's Python scalar argument is a NaN or an Inf."""
+    for value in (*args, *kwargs.values()) if kwargs else args:
+        if type(value) is float and not _isfinite(value):
+            return True
+    return False
 
 
 def _freed_inputs(made, memory, prior, taint_at, mark_at):

@@ -1,6 +1,6 @@
 """The per-op check: a `TorchDispatchMode` that checks every floating output of every
-aten op while it is on the dispatch stack (outside module calls by default; everywhere
-with `exact=True`).
+aten op while it is on the dispatch stack (outside the roots' calls, backward and the
+optimizer step by default; everywhere with `exact=True` and in a re-run).
 
 Hot path (per op, see `_Mode.__torch_dispatch__`): one dict lookup for the cached
 `OpInfo`, the op, then for each floating CPU output the C bit test on its memory
@@ -88,8 +88,6 @@ class _Mode(TorchDispatchMode):
         if w._skip:
             op = info.op
             return op(*args, **kwargs) if kwargs else op(*args)
-        if w._open:
-            w._mark_used(args)
         if info.skip:
             op = info.op
             if info.lifted:

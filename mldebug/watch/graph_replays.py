@@ -66,7 +66,8 @@ class GraphReplays:
         (`make_graphed_callables`, reduce-overhead's trees) captures and replays inside
         its call, where its hooks check it at the boundary and a read of ours would run
         in the middle of the call (inside the trees' lock, a re-run would deadlock)."""
-        return not self._skip and _get_ident() == self._owner and self._top is None
+        return (not self._skip and _get_ident() == self._owner and self._top is None
+                and not self._inside)
 
     def _capture_begins(self) -> None:
         """Before a capture begins (before `torch.cuda.graph` switches streams): what the

@@ -27,12 +27,12 @@ the data and stops at the first op that reads it, as ever.
 
 Bookkeeping, on top of the taint (verdict.py): `_marks` holds the `Mark` of each judged
 storage whose non-finite values were written on purpose or flow from such a write;
-`_nan_marks` those with a NaN. An outermost module call looks its arguments up only
-while `_nan_marks` is not empty, the loss only while `_marks` is not: nothing is added
-to a step that writes no constant. On a device what the window holds is judged at the
-read, so the look-ups are made again there, by the judges a read runs anyway (a model
-call's, read at its end or at the step: module_tier.py; the backward's and its loss
-region's dry run: backward_tier.py).
+`_nan_marks` those with a NaN. A root call looks its arguments up only while
+`_nan_marks` is not empty, the loss only while `_marks` is not: nothing is added to a
+step that writes no constant. On a device what the window holds is judged at the read:
+an op there that writes a non-finite constant (or reads one marked) sets
+`_constant_unread`, and the root calls and losses that follow look again from a judge
+of that read (step.py `_call_marks_at_read`, `_loss_marks_at_read`).
 """
 from __future__ import annotations
 
@@ -44,10 +44,11 @@ from torch import Tensor
 
 from ..core import frames as _frames
 from ..core.records import Violation
+from ..core.structs import tensors_in
 from .checks import _ALLOWED, _caller, _checkable, _counts, _isfinite, _summary
 from .native_check import nonfinite as _native_nonfinite
 from .ops import matches
-from .tiers import call_kwargs, flat_tensors
+from .roots import call_kwargs
 
 # names whose attribute `nan`/`inf` is a constant in a literal (`math.inf`, `np.nan`)
 _CONSTANT_MODULES = frozenset({"math", "np", "numpy", "torch"})
@@ -161,7 +162,7 @@ class WrittenMarks:
     def _check_call_marks(self, module, args, kwargs=None, site=None) -> None:
         """An outermost module call: a NaN written on purpose among its arguments is a
         stop. Called as it starts (its pre-hook), and on a device where the read that
-        judges what its arguments hold comes later, from that read (module_tier.py).
+        judges what its arguments hold comes later, from that read (step.py).
         KWARGS None: the call's, read from the frame of the hook. SITE: (file, line,
         function) of the call, when it is not the running user frame's."""
         if not self._nan_marks:
@@ -171,7 +172,7 @@ class WrittenMarks:
         if site is None:
             site = _frames.location(_frames.user_frame(_caller(2)))
         what = f"the model call {type(module).__name__} at {_short(site)}"
-        self._marks_reach(flat_tensors((args, kwargs)), what, nan_only=True)
+        self._marks_reach(tensors_in((args, kwargs)), what, nan_only=True)
 
     def _check_loss_marks(self, roots, site=None) -> None:
         """`backward()` starts from ROOTS: a NaN/Inf written on purpose in one is a stop.

@@ -1,6 +1,6 @@
 """The watch's NaN/Inf check of a CPU tensor without a torch op: `finite.c`'s bit test.
 
-On the CPU the tiers check each module output, gradient and optimizer result as it is
+On the CPU the cheap check reads each root output, gradient and optimizer result as it is
 made. With torch that is three ops and a host read per tensor (`detach`, `sum`, `item`):
 about as many extra ops as the plain step has, or more (with MLDEBUG_NATIVE=0,
 bench_watch.py's `count_ops`: +35 ops and +12 reads on the benchmark MLP's 45 ops, +676
@@ -82,6 +82,35 @@ def nonfinite(t: torch.Tensor) -> Optional[bool]:
     if not ptr:
         return None
     return fn(ptr, t.numel()) != 0
+
+
+def nonfinite_each(tensors) -> list:
+    """`nonfinite` of each of TENSORS (True, False or None), in one Python call: the
+    watch asks it of a step's parameters, gradients and optimizer state, a few hundred
+    tensors, where a call or four each would be most of what it adds to the step.
+    (`nonfinite` and `core.native.readable_address` written out in the loop.)"""
+    fns = _state.get("fns")
+    if fns is None:
+        fns = _functions()
+    plain = _native._PLAIN
+    out = []
+    for t in tensors:
+        fn = fns.get(t.dtype)
+        if fn is None or type(t) not in plain or not t.is_cpu \
+                or not t.is_contiguous() and not _dense(t):
+            out.append(None)
+            continue
+        try:
+            ptr = t.data_ptr()
+        except RuntimeError:          # a wrapper tensor without storage
+            out.append(None)
+            continue
+        if not ptr or t._is_zerotensor() or t.untyped_storage().nbytes() \
+                < (t.storage_offset() + t.numel()) * t.element_size():
+            out.append(None)
+            continue
+        out.append(fn(ptr, t.numel()) != 0)
+    return out
 
 
 def _dense(t: torch.Tensor) -> bool:

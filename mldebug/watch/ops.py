@@ -177,7 +177,7 @@ class OpInfo:
     """What the watch needs to know about one overload."""
 
     __slots__ = ("name", "short", "skip", "mutated", "argnames", "kwnames", "torch_op",
-                 "op", "func", "safe", "guard", "promote", "prov", "lifted")
+                 "op", "func", "safe", "guard", "promote", "prov", "lifted", "writes")
 
     def __init__(self, func):
         self.name = str(func)                         # 'aten.log.default'
@@ -210,6 +210,8 @@ class OpInfo:
         # the tensor torch.tensor(...) (or the scalar of `x[i] = v`) makes from Python
         # data: not checked, but a literal holding a NaN/Inf is marked (marks.py)
         self.lifted = self.name == "aten.lift_fresh.default"
+        # its scalar argument is a value it writes (CONSTANT_WRITERS)
+        self.writes = self.short in CONSTANT_WRITERS
         self._classify()
 
     def _classify(self):

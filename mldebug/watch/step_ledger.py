@@ -38,7 +38,7 @@ import torch
 from ..core import cuda_graphs as _cuda_graphs
 from ..core.native import with_values
 from ..core.structs import tensors_in
-from . import tiers as _tiers
+from .checks import mode_on
 from .checks import _F32, _PLAIN
 
 _log = logging.getLogger(__name__)
@@ -217,13 +217,12 @@ def memory_addresses(tensors, found=None) -> set:
 
 
 def _storages(sources) -> set:
-    """Addresses of the memory of SOURCES: lists of tensors, and RootCalls (their
-    modules' parameters and their tensor arguments)."""
+    """Addresses of the memory of SOURCES: lists of tensors, and root calls (their
+    parameters and their tensor arguments)."""
     found = set()
     for source in sources:
         memory_addresses(source if isinstance(source, list) else
-                         list(source.module.parameters())
-                         + tensors_in((source.args, source.kwargs)), found)
+                         source.info.params + tensors_in((source.args, source.kwargs)), found)
     return found
 
 
@@ -260,32 +259,8 @@ def first_bad(values, slots) -> float | None:
     return None
 
 
-def first_bad_entry(values, entries):
-    """(entry, value) of the first of ENTRIES (tuples whose first item is a slot) whose
-    value is not finite, or None."""
-    for entry in entries:
-        value = first_bad(values, (entry[0],))
-        if value is not None:
-            return entry, value
-    return None
-
-
-def counts_of(value: float) -> tuple[int, int, int]:
-    """(nan, +inf, -inf) that a non-finite norm stands for when its tensor is gone."""
-    return (1, 0, 0) if value != value else (0, 1, 0)
-
-
 class DeviceReads:
     """Methods of `Watch` that decide when the ledger (`Watch._ledger`) is read."""
-
-    def _can_defer(self) -> bool:
-        """Whether a window's judge may wait for the training step's read: once an
-        optimizer step was seen (so one will come, before the parameters change), not in
-        a re-run or a dry run (they read op by op), not under a loss scaler (it skips
-        steps), not with `exact`."""
-        t = self._t
-        return (self._opt_seen and not self.exact and not t.read_now and not t.replaying
-                and not self._amp.active and not self._skip)
 
     def _read_or_defer(self, judge, always=False, defer=None) -> None:
         """Register JUDGE for what the ledger holds; read now unless it may wait."""
@@ -312,11 +287,12 @@ class DeviceReads:
             self._window_to_ledger()
         if not ledger:
             return
+        self._constant_unread = False   # (the judges below mark what was written)
         with self._own_ops():
             values, judges, held = ledger.take()
         if values is None and not any(always for _, always in judges):
             return
-        with _tiers.mode_on(self._mode):     # (a judge may re-run a call)
+        with mode_on(self._mode):     # (a judge may re-run a call)
             for judge, always in judges:
                 if values is not None or always:
                     try:

@@ -2,9 +2,9 @@
 
 Mixed into `Watch` (core.py). `_slow` counts an op's outputs exactly and `_judge`
 applies the rule to one of them (made here or came in; see the package docstring);
-the tiers' verdicts: `_judge_step`, for a parameter (or its optimizer state) that the
-unchecked optimizer step left non-finite, and `_report_unpinned`, for a module output
-or gradient whose replay could not pin the op. These three build every `Violation` the
+the cheap checks' verdicts: `_judge_step`, for a parameter (or its optimizer state) that
+the unchecked optimizer step left non-finite, and `_report_unpinned`, for a root's output
+or a gradient whose re-run could not pin the op. These three build every `Violation` the
 watch reports; `_report` hands one to the callback (or raises), from the owner thread.
 The taint records which non-finite storages were judged already, so that values that
 merely flow on from them are not new stops.
@@ -24,10 +24,10 @@ from ..core.records import Violation
 from ..core.session import current
 from . import data_origin as _data_origin
 from . import hints as _hints
-from . import tiers as _tiers
 from .amp import SCALER_OPS, stays_unscaled
 from .checks import (_ALLOWED, METADATA_KEY, _caller, _counts, _floating, _isfinite,
-                     _summary)
+                     _summary, push)
+from .context import module_record
 from .marks import Mark
 from .ops import CONSTANT_WRITERS, argument_name, matches
 
@@ -55,10 +55,10 @@ class Verdict:
         input is gone, and what it is taken to have held (has NaN, has Inf, descends
         from a stop). `dtype`: that of the output, when it is gone (judged by its sum).
         """
-        if self._t.recomputing and self.violations:
-            # a checkpoint recomputes a forward the watch judged already: what it makes
-            # again was a stop then, or flowed from one; mark it so (its backward is no
-            # new stop), and stop nothing here
+        if self._recomputing and self._stop_step == self._steps:
+            # a checkpoint recomputes a forward of this step that made a stop: what it
+            # makes again was a stop then, or flowed from one; mark it so (its backward
+            # is no new stop), and stop nothing here
             self._taint_outputs([t for t, _ in self._flatten_outputs(outs)], True)
             return
         if entry is None:
@@ -67,6 +67,8 @@ class Verdict:
             node_name = node.name() if node is not None else ""
             node_prov = node.metadata.get(METADATA_KEY) if node is not None else None
             record = self._top
+            if record is None and stage == "forward":
+                record = module_record(_caller(1))   # (a module outside the roots)
             frame = _frames.user_frame(_caller(1))
             here = None
         else:
@@ -330,7 +332,7 @@ class Verdict:
             stop = bool(reached) and (kind in self.break_on or "inf-all" in self.break_on) \
                 and not (stage == "optimizer" and self._opt_stop_step == self._steps)
         if mark is not None and not stop:
-            self._flowed_mark = mark       # (a re-run's gradients carry it: backward_tier)
+            self._flowed_mark = mark       # (a re-run's gradients carry it: rerun.py)
         # everything judged here is known from now on: propagation is not a new stop
         self._taint_add(bad, out_nan, posinf + neginf > 0, stop or lineage,
                         mark=None if mark is None else mark.flowing())
@@ -352,6 +354,7 @@ class Verdict:
             file = os.path.abspath(file) if file and not file.startswith("<") else file
         else:
             file, line, function = _frames.location(frame)
+        rerun = self._rerun     # (an op of a re-run right under the call: _report)
         module, module_type = self._names.path(record) if stage != "optimizer" else ("", "")
         if stage == "optimizer":
             param = self._names.param(bad, self._optimizer)
@@ -377,6 +380,7 @@ class Verdict:
                     for label, value, *_ in rows],
             param=param, node=node_name,
             step=self._steps if self._opt_seen else None, text=text,
+            micro_batch=rerun[2] if rerun is not None else None,
         )
         with self._own_ops():       # (read once, at the stop: what the hints need)
             v.evidence = _hints.gather(info, args, kwargs, rows, bad, stage, here is None)
@@ -418,7 +422,7 @@ class Verdict:
             v.frame = entry
             v.file, v.line, v.function = _frames.location(entry)
 
-    # -- the tiers' verdicts ----------------------------------------------------------
+    # -- the cheap check's verdicts --------------------------------------------------
     def _judge_step(self, optimizer, x, p, what, group, counts, grad=LIVE_GRAD, where=None):
         """The stop rule for a parameter (or its state) that the step left non-finite.
         GRAD: LIVE_GRAD while the step's gradient is `p.grad`; read later (a device's
@@ -494,9 +498,11 @@ class Verdict:
             param=name, step=self._steps, text=text)
 
     def _report_unpinned(self, stage, counts, record=None, param=None, reason="",
-                         what=None):
-        """A sentinel saw a NaN/Inf that the replay could not narrow to one op: still a
-        stop, at module (forward) or parameter (backward) level, saying why."""
+                         what=None, where=None, micro=None):
+        """A cheap check saw a NaN/Inf that the re-run could not narrow to one op: still a
+        stop, naming the root's output (forward) or the parameter (backward), saying why.
+        WHERE: (file, line, function) of the call, when not the frame's; MICRO: its
+        micro-batch."""
         nan, posinf, neginf = counts
         kind = "nan" if nan else "inf"
         if kind not in self.break_on and not (kind == "inf" and "inf-all" in self.break_on):
@@ -506,7 +512,7 @@ class Verdict:
         if stage == "backward":
             reason = self._amp.with_note(reason)
         frame = _frames.user_frame(_caller(1))
-        file, line, function = _frames.location(frame)
+        file, line, function = where if where and where[0] else _frames.location(frame)
         name = ""
         if param is not None:
             name = self._names.param(param)
@@ -526,14 +532,15 @@ class Verdict:
         v = Violation(kind=kind, op="", torch_op="", module=module, module_type=module_type,
                       stage=stage, frame=frame, file=file, line=line, function=function,
                       nan=nan, posinf=posinf, neginf=neginf, created=True, culprit="",
-                      output=output, param=name, step=self._steps if self._opt_seen else None, text=text)
+                      output=output, param=name, step=self._steps if self._opt_seen else None,
+                      text=text, micro_batch=micro)
         self._report(v)
 
     # -- reporting -------------------------------------------------------------------
     def _report(self, v) -> None:
-        site = self._t.replay_site
-        if site is not None and v.line == site[0][1] and \
-                _same_file(v.file, site[0][0]):
+        site = self._rerun
+        if site is not None and site[1] and v.line == site[0][1] and \
+                _frames.same_file(v.file, site[0][0]):
             # made in library code right under a re-run call: at the call's own line
             if site[1][:2] != site[0]:
                 v.read_later = True     # (re-run at a later read: a device's step)
@@ -546,6 +553,7 @@ class Verdict:
                 v.frame = self._late[0]
             v.then, v.read_later = self._late[1], True
         self.violations.append(v)
+        self._stop_step = self._steps
         if self.action == "raise":
             self._after_escape(v, exception_type=NonFiniteError)
             raise NonFiniteError(f"mldebug: {v.headline()}", v)
@@ -572,11 +580,12 @@ class Verdict:
         non-Exception errors (BatchStop) nor will the modules' always-call hooks."""
         if v.stage == "optimizer":
             self._opt_depth = 0
-        if not issubclass(exception_type, Exception) and not self._t.replaying:
-            self._top = None
-            if self._t.popped:         # the outermost call's post hook will not run
-                _tiers.push(self._mode)
-                self._t.popped = False
+        if not issubclass(exception_type, Exception) and not self._rerunning:
+            self._top = self._call = None
+            self._inside = 0
+            if self._root_popped:      # the root call's post hook will not run
+                push(self._mode)
+                self._root_popped = False
         self._pending = []
 
     def _deliver_stash(self):
@@ -589,8 +598,3 @@ class Verdict:
                 v.frame = frame
             self.violations.remove(v)
             self._report(v)
-
-
-def _same_file(a: str, b: str) -> bool:
-    """Two code locations' files are one ('' for none: no user frame on the stack)."""
-    return a == b or bool(a and b) and os.path.abspath(a) == os.path.abspath(b)

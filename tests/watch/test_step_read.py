@@ -10,6 +10,8 @@ path (what CI can run of it) and on CUDA where there is one.
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 from mldebug.core.errors import NonFiniteError
 from mldebug.watch import watch
 
-from test_watch_tiers import lineno
+from test_rerun import lineno
 
 BAD_STEP = 3
 
@@ -75,8 +77,8 @@ def train(device, model, make_loss=None, opt_cls=torch.optim.SGD, steps=5, actio
 
 
 def on_host(device) -> bool:
-    from mldebug.watch import tiers
-    return device == "cpu" and tiers._HOST_READS
+    from mldebug.watch import checks
+    return device == "cpu" and checks.HOST_READS
 
 
 def mlp(*middle):
@@ -148,21 +150,25 @@ class RootWhen(nn.Module):
         return self.lin2(h)
 
 
-def test_accumulated_backwards_are_read_before_the_next_and_pinned(device):
+@pytest.mark.parametrize("bad_micro", [0, 1])
+def test_accumulated_backwards_are_read_before_the_next_and_pinned(device, bad_micro):
     """Two backwards a step (gradient accumulation): the first one's judge is read
-    when the second starts (it keeps its gradients), and its stop is pinned."""
+    when the second starts (it keeps its gradients), and its stop is pinned, naming
+    the micro-batch (the first or the second: what flows into the step from the
+    first is not a new stop)."""
     model, opt, x = setup(device, RootWhen())
     got = []
     with watch(on_violation=got.append) as w:
         for step in range(5):
             for micro in range(2):
-                model(x, bad=(step, micro) == (BAD_STEP, 0)).pow(2).mean().backward()
+                model(x, bad=(step, micro) == (BAD_STEP, bad_micro)).pow(2).mean().backward()
                 if step == 1 and micro == 0:     # (the host path holds nothing)
                     assert w._ledger.backwards == (0 if on_host(device) else 1)
             opt.step()
             opt.zero_grad()
-    assert [(v.stage, v.node, v.line, v.step) for v in got] == [
-        ("backward", "SqrtBackward0", lineno(RootWhen.forward), BAD_STEP)]
+    assert [(v.stage, v.node, v.line, v.step, v.micro_batch) for v in got] == [
+        ("backward", "SqrtBackward0", lineno(RootWhen.forward), BAD_STEP, bad_micro + 1)]
+    assert f"[backward, step {BAD_STEP}, micro-batch {bad_micro + 1}]" in got[0].headline()
 
 
 def test_an_eval_forward_between_steps_is_read_at_its_end(device):
@@ -207,6 +213,7 @@ def test_a_healthy_run_trains_bitwise_the_same(device):
         w = watch(action="raise")
         if not on:
             w.close()
+            w = contextlib.nullcontext()   # (a closed watch would start again)
         with w:
             for _ in range(4):
                 opt.zero_grad()
@@ -252,7 +259,7 @@ def test_forwards_with_no_step_after_them_are_read_every_few_calls(device):
     """Forwards with gradients but no backward nor step (a gradient-enabled evaluation
     after training): each waiting call keeps its arguments, so at most MAX_CALLS wait,
     and a NaN among them is found before the loop ends."""
-    from mldebug.watch import tiers
+    from mldebug.watch import step
     model, opt, x = setup(device, mlp())
     got = []
     with watch(on_violation=got.append) as w:
@@ -265,7 +272,7 @@ def test_forwards_with_no_step_after_them_are_read_every_few_calls(device):
             model(x * float("nan") if i == 6 else x)
             waiting.append(w._ledger.calls)
         found = [(v.stage, v.op) for v in got]
-    assert max(waiting) <= tiers.MAX_CALLS
+    assert max(waiting) <= step.MAX_CALLS
     assert found == [("forward", "aten.mul.Tensor")]
 
 

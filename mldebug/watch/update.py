@@ -1,0 +1,233 @@
+"""The optimizer's step, the last part of a healthy training step (step.py has the rest).
+
+    opt.step()       pre-hook: the gradients the step will use join the check (on a
+                     device, held; what the read finds of them is kept for the step's own
+                     judge), then, on a device, the step's ONE read, before the update:
+                     the step's forward, loss region and backward, and the previous
+                     update, all checked by it. The step runs without the per-op check.
+                     post-hook: the parameters and the optimizer's state the step wrote
+                     are checked (on a device, held for the next read: one step late).
+
+A step's closure (LBFGS, Lightning's automatic optimization) runs the forward and the
+backward inside the step: it runs with the step's stage lifted, so its ops are forward
+and backward, and its calls are roots like any other. A non-finite parameter or state
+after the step is judged by verdict.py `_judge_step` (made by the step from finite
+gradients, or carried on from a gradient judged already); one written there on purpose
+is a stop that names the line that wrote it (marks.py).
+"""
+from __future__ import annotations
+
+import threading
+from functools import partial
+
+from torch import Tensor
+
+from ..core import frames as _frames
+from . import checks as _checks
+from .checks import _STRIDED, _caller, _counts, _is_cpu, pop_if_top, push
+from .step_ledger import cuda_graph_aside
+from .verdict import LIVE_GRAD
+
+_get_ident = threading.get_ident
+
+
+def step_tensors(optimizer) -> list:
+    """[(tensor, param, 'value' or state key, param group)] an optimizer step writes: its
+    floating parameters and their floating state tensors (not a 0-d step counter)."""
+    out = []
+    # (by id: a tensor's __hash__ is a Python call, once per parameter and step)
+    state = {id(p): st for p, st in getattr(optimizer, "state", {}).items()}
+    for group in getattr(optimizer, "param_groups", ()):
+        for p in group.get("params", ()):
+            if not isinstance(p, Tensor) or not p.is_floating_point() \
+                    or p.layout is not _STRIDED or p.is_meta:
+                continue
+            out.append((p, p, "value", group))
+            for key, value in (state.get(id(p)) or {}).items():
+                if isinstance(value, Tensor) and value.is_floating_point() \
+                        and value.layout is _STRIDED and not value.is_meta \
+                        and not (key == "step" and not value.dim()):
+                    out.append((value, p, key, group))
+    return out
+
+
+
+class OptimizerStep:
+    """Methods of `Watch` (core.py) for `optimizer.step()` (state in `Watch`)."""
+
+    def _optimizer_pre(self, optimizer, args, kwargs):
+        if self._skip or _get_ident() != self._owner:
+            return None
+        if cuda_graph_aside():
+            self._captured_step()    # (its replays are steps: graph_replays.py)
+            return None
+        if self._stash:
+            self._deliver_stash()
+        if self._win:
+            self._flush_window()
+        self._opt_seen = True
+        if not self.exact:
+            self._hold_step_grads(optimizer)
+        if self._ledger:
+            self._read_ledger()  # the training step's read: before the parameters change
+        self._calls = []         # parameters change: earlier calls cannot be re-run
+        self._accumulating = self._accumulating or self._micro > 1
+        self._micro = 0
+        self._opt_depth += 1
+        self._optimizer = optimizer
+        if (not self.exact and self._opt_depth == 1 and not self._rerunning
+                and len(args or ()) <= 1 and not (kwargs or {}).get("closure")):
+            # (args holds the optimizer itself; anything more is a closure, which runs
+            # the model inside: the step keeps the per-op check then)
+            self._opt_popped = pop_if_top(self._mode)
+        return self._closure_outside_step(args, kwargs)
+
+    def _closure_outside_step(self, args, kwargs):
+        """`optimizer.step(closure)` (LBFGS, Lightning's automatic optimization) runs the
+        forward and backward inside the step: the closure runs with the step's stage
+        lifted, so its ops are forward and backward, and only the update is optimizer.
+        Returns the step's (args, kwargs) with the closure wrapped, or None."""
+        kwargs = kwargs or {}
+        closure = kwargs.get("closure")
+        positional = closure is None and len(args or ()) > 1 and callable(args[1])
+        if positional:
+            closure = args[1]          # (args[0] is the optimizer itself)
+        if closure is None or not callable(closure):
+            return None
+        watch = self
+
+        def closure_outside_the_step(*a, **k):
+            depth, watch._opt_depth = watch._opt_depth, 0
+            try:
+                result = closure(*a, **k)
+                if watch._ledger and not watch._skip:
+                    watch._read_ledger()   # the forward and backward it ran: before the update
+                return result
+            finally:
+                watch._opt_depth = depth
+
+        if positional:
+            return (args[0], closure_outside_the_step, *args[2:]), kwargs
+        return args, {**kwargs, "closure": closure_outside_the_step}
+
+    def _optimizer_post(self, optimizer, args, kwargs):
+        if self._skip or _get_ident() != self._owner or cuda_graph_aside():
+            return None
+        if self._win:
+            self._flush_window()
+        popped, self._opt_popped = self._opt_popped, False
+        try:
+            if popped:
+                self._check_step(optimizer)       # (with the mode still off: cheaper)
+        finally:
+            if popped:
+                push(self._mode)
+            self._opt_depth = max(0, self._opt_depth - 1)
+            self._steps += 1
+        if self._learning and not self._opt_depth and not self._rerunning:
+            self._end_learning()        # (the first step: the roots are known)
+        return None
+
+    def _hold_step_grads(self, optimizer):
+        """Before the step, on a device: the gradients it will use join the read (those
+        of the roots' parameters are held already), and what it finds of them is kept
+        for the step's own check, read after the update."""
+        grads, params = [], []
+        for group in getattr(optimizer, "param_groups", ()):
+            for p in group.get("params", ()):
+                g = getattr(p, "grad", None)
+                if g is not None and g.is_floating_point() and g.layout is _STRIDED \
+                        and not g.is_meta and not (g.is_cpu and _checks.HOST_READS):
+                    grads.append(g)
+                    params.append(p)
+        self._step_grads = {}
+        if grads:
+            self._check(grads, partial(self._judge_step_grads, params, grads), alive=True,
+                        defer=True)
+
+    def _judge_step_grads(self, params, grads, bad):
+        """A judge: (counts, judged, from a stop) of each non-finite gradient."""
+        verdicts = {}
+        for i in bad:
+            with self._own_ops():
+                c = _counts(grads[i])
+            if sum(c):
+                known = self._taint_get(grads[i])
+                verdicts[id(params[i])] = (c, known is not None, bool(known and known[2]),
+                                           self._mark_get(grads[i]) if known else None)
+        self._step_grads = verdicts
+
+    def _check_step(self, optimizer):
+        """After a step run without the per-op check: its parameters and state tensors,
+        now on the CPU, at the next read on a device (in training: the next step's); a
+        non-finite one is reported by the parameter's name at the `optimizer.step()` line."""
+        entries = step_tensors(optimizer)
+        if not entries:
+            return
+        frame = _frames.user_frame(_caller(1))
+        where = _frames.location(frame) if frame is not None else None
+        tensors = [x for x, _, _, _ in entries]
+        later = not (_checks.HOST_READS and all(map(_is_cpu, tensors))) \
+            and self._can_defer()
+        # (judged later, the gradients may be gone: what the read before the step found
+        # of them stands in)
+        if self._check(tensors, partial(self._judge_held_step, optimizer, entries,
+                                        self._steps, where,
+                                        self._step_grads if later else None),
+                       alive=True, defer=later) and later:
+            self._ledger.sources.append(tensors)  # (an op that writes them reads first)
+
+    def _judge_held_step(self, optimizer, entries, step, where, grads, bad):
+        """A judge: the step left these non-finite; read now, or at a later read (then
+        GRADS, what the read before the step found of its gradients, stands in)."""
+        steps, self._steps = self._steps, step
+        try:
+            with self._own_ops():   # (as after the step itself: the mode off)
+                self._judge_step_tensors(optimizer, [entries[i] for i in bad], where=where,
+                                         grads=grads)
+        finally:
+            self._steps = steps
+
+    def _judge_step_tensors(self, optimizer, tensors, where=None, grads=None):
+        """The stop rule for the step's tensors that may be non-finite. GRADS: what the
+        read before the step found of its gradients (None: they are the `.grad`s now)."""
+        reported = None
+        bad = []
+        for x, p, what, group in tensors:
+            c = _counts(x)
+            if not sum(c):
+                continue
+            before = self._taint_of_storage(x)
+            if before is not None:
+                # non-finite before the step already, and judged then: the step carried
+                # it on (an Inf in Adam's exp_avg_sq stays Inf), no new stop every step;
+                # judged again as it is now (the next op that writes it in place sees it)
+                mark = self._mark_at(x.untyped_storage().data_ptr()) if not before[2] \
+                    else None
+                if mark is not None and not mark.stopped and reported is None:
+                    # (written there on purpose, and no stop made of it: marks.py)
+                    name = self._names.param(p, optimizer)
+                    reported = self._mark_violation(
+                        mark, f"the parameter {name}" if what == "value" else
+                        f"the optimizer state {what!r} of {name}", x, c, "optimizer",
+                        param=name, frame=_frames.user_frame(_caller(1)))
+                self._taint_add(x, c[0] > 0, c[1] + c[2] > 0, before[2])
+                continue
+            bad.append((x, p, what, group, c))
+        lineage = []
+        for x, p, what, group, c in bad:
+            if grads is None:
+                grad = LIVE_GRAD
+                known = self._taint_get(p.grad) if isinstance(p.grad, Tensor) else None
+                lineage.append(bool(known and known[2]))
+            else:
+                grad = grads.get(id(p))
+                lineage.append(bool(grad and grad[1] and grad[2]))
+            v = self._judge_step(optimizer, x, p, what, group, c, grad=grad, where=where)
+            if v is not None and reported is None:
+                reported = v
+        for (x, p, what, group, c), from_stop in zip(bad, lineage):
+            # (from a gradient that descends from a reported stop: so does the step's)
+            self._taint_add(x, c[0] > 0, c[1] + c[2] > 0, reported is not None or from_stop)
+        if reported is not None:
+            self._report(reported)
