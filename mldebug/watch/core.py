@@ -425,6 +425,9 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, Roots, HealthyStep, 
             return None
         if self._inside or not (self.exact or self._learning or self._rerunning):
             return self._root_post(module, args, None, output)
+        if _cuda_graphs.MAYBE[0] and cuda_graph_aside():
+            self._captured_call_ends(module, output)   # (checked after each replay)
+            return None
         if self._recomputing and self._recomputing[-1] is module:
             self._recomputing.pop()
         top = self._top

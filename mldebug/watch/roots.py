@@ -30,8 +30,6 @@ from torch import Tensor
 from ..core import frames as _frames
 
 _get_state = torch._C.Generator.get_state
-_USER = _frames._is_user_cache
-_is_user_file = _frames.is_user_file
 _MODULE_FILE = nn.Module._call_impl.__code__.co_filename
 try:
     from torch.nn.parallel import DistributedDataParallel as _DDP
@@ -285,16 +283,7 @@ def _clone_all(tensors) -> list:
 
 def _site(frame):
     """(file, line, function) of the innermost user frame at or above FRAME."""
-    f = frame
-    while f is not None:
-        name = f.f_code.co_filename
-        user = _USER.get(name)
-        if user is None:
-            user = _is_user_file(name)
-        if user:
-            return _frames.location(f)
-        f = f.f_back
-    return ("", 0, "")
+    return _frames.location(_frames.user_frame(frame))
 
 
 def _wrapped_by(top, module):

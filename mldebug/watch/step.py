@@ -201,6 +201,10 @@ class HealthyStep:
     def _root_post(self, module, args, kwargs, output):
         """A root's own post-hook (and the global one's): the call returned (or raised)."""
         if not self._inside:
+            if _cuda_graphs.MAYBE[0] and cuda_graph_aside():
+                # a call captured into a CUDA graph (its pre-hook stepped aside): checked
+                # after each replay
+                self._captured_call_ends(module, output)
             return None
         self._inside -= 1
         if self._inside:
@@ -209,9 +213,6 @@ class HealthyStep:
         if self._root_popped:
             push(self._mode)
             self._root_popped = False
-        if _cuda_graphs.MAYBE[0] and cuda_graph_aside():
-            self._captured_call_ends(module, output)   # (checked after each replay)
-            return None
         if call is None:
             return None
         self._after_call(call, call.info)
@@ -345,7 +346,10 @@ class HealthyStep:
                 boundary[id(node)] = node
         safe, bw.nodes = _loss_region(roots, boundary)
         n0 = len(self.violations)
-        bw.dry = not safe or not self._no_live_taint()
+        # (after a stop in one of its calls what the region computes descends from it,
+        # with values made inside the call that no check saw: no dry run, no new stop)
+        bw.dry = (not safe or not self._no_live_taint()) \
+            and not any(call.stopped for call in calls)
         if bw.dry and not self._dry_run(roots, grad_tensors, calls, n0):
             return proceed(tensors, grad_tensors, *args, **kwargs)
         bw.stopped = len(self.violations) > n0

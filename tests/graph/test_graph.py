@@ -262,21 +262,27 @@ def test_graph_command_marks_the_assertion_and_the_failing_node(write_program):
 
 @pytest.mark.parametrize("mode", ["on", "exact"])
 def test_graph_command_at_a_nan_stop_marks_the_module_in_progress(write_program, mode):
-    """With `--watch exact` the stop is inside Bad's log: the pass is in progress and Bad
-    is still running. With the tiers (default) Bad's output is left to the Linear after
-    it to show (safe.sequential_plan); that flag defers to the Sequential, whose re-run
-    once it returned makes the stop: the graph is complete and holds Bad's output (all
-    NaN)."""
+    """With `--watch exact`, and in the first calls while the watch learns its roots,
+    the stop is inside Bad's log: the pass is in progress and Bad is still running.
+    Once the roots are known (the default, from a root's second call) the Sequential's
+    output is checked when it returns and its re-run makes the stop: the graph is
+    complete and holds Bad's output (all NaN)."""
     prog = write_program("""
         import torch
         from torch import nn
 
         class Bad(nn.Module):
+            shift = -10.0
+
             def forward(self, x):
-                return torch.log(x - 10)  # here
+                return torch.log(x - self.shift)  # here
 
         model = nn.Sequential(nn.Linear(4, 4), Bad(), nn.Linear(4, 1))
-        y = model(torch.randn(3, 4))
+        x = torch.randn(3, 4)
+        model(x)
+        model(x)
+        Bad.shift = 10.0
+        y = model(x)
     """)
     result = run_cli(["--watch", mode, str(prog)], stdin="graph\nq\n")
     out = result.stdout

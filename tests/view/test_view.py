@@ -301,12 +301,18 @@ import torch
 from torch import nn
 
 class Explode(nn.Module):
+    shift = -100.0
+
     def forward(self, x):
-        return torch.log(x - 100)
+        return torch.log(x - self.shift)
 
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), Explode())
-out = model(torch.randn(2, 4))
+x = torch.randn(2, 4)
+model(x)               # two healthy calls: the watch knows the model's call by now
+model(x)
+Explode.shift = 100.0  # log of values below 0 from here
+out = model(x)
 print("finished", flush=True)
 """
 

@@ -212,6 +212,35 @@ def test_a_call_the_re_run_cannot_repeat_still_stops_and_names_what_the_check_sa
         test_a_call_the_re_run_cannot_repeat_still_stops_and_names_what_the_check_saw)
 
 
+class Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.by = 1.0
+
+    def forward(self, x):
+        return x * self.by  # here
+
+
+def test_a_root_whose_forward_runs_collectives_is_not_re_run_and_says_so(device):
+    """A SyncBatchNorm in training reduces its statistics over every rank in its forward
+    (as FSDP2 gathers its parameters): re-run on one rank alone it would wait for the
+    others. The call is not re-run; the stop names the root's output and says why.
+    (Without a process group SyncBatchNorm computes as BatchNorm.)"""
+    model = nn.Sequential(nn.Linear(2, 2), nn.SyncBatchNorm(2), Scale()).to(device)
+    x = torch.randn(4, 2, device=device)
+    got, w = collect()
+    with w:
+        learned(w, model, x)
+        model[2].by = float("nan")
+        model(x)  # call
+    assert len(got) == 1
+    v = got[0]
+    assert (v.kind, v.stage, v.module_type, v.op) == ("nan", "forward", "Sequential", "")
+    assert "not re-run: SyncBatchNorm reduces its statistics over every rank" in v.text
+    assert v.line == lineno(
+        test_a_root_whose_forward_runs_collectives_is_not_re_run_and_says_so, "# call")
+
+
 class NanGradOnce(torch.autograd.Function):
     """Identity whose backward makes a NaN the first time it runs after `armed` is set."""
 
