@@ -24,6 +24,11 @@ SKIPPED_NAMESPACES = frozenset({"profiler"})
 # in a 2-rank job). Never checked when made; `wait_tensor`'s output is, as any op's.
 ASYNC_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd",
                                          "c10d"})
+# Ops that make a collective's buffer: FSDP2's all_gather_copy_in copies this rank's shard
+# into a buffer whose other ranks' parts hold uninitialized memory until the all-gather
+# fills them (read at once: NaN bits now and then, a false stop in a 2-rank job's
+# backward). Not checked; what is copied out of the buffer after the gather is.
+COLLECTIVE_BUFFERS = frozenset({("fsdp", "all_gather_copy_in")})
 
 # Ops that cannot make a NaN or an Inf from finite inputs, nor a NaN from Infs: their
 # outputs are copies, selections or constants of their inputs (relu, max-pool, clone,
@@ -203,6 +208,7 @@ class OpInfo:
             getattr(func, "is_view", False)
             or namespace in SKIPPED_NAMESPACES
             or (namespace in ASYNC_COLLECTIVE_NAMESPACES and self.short != "wait_tensor")
+            or (namespace, self.short) in COLLECTIVE_BUFFERS
             or self.short in UNINITIALIZED
             or (not returns_tensor and not self.mutated)
         )

@@ -689,3 +689,15 @@ def test_an_async_collectives_buffer_is_checked_after_its_wait_not_when_made():
     assert OpInfo(functional.all_reduce.default).skip
     assert not OpInfo(functional.wait_tensor.default).skip
     assert not OpInfo(torch.ops.aten.add.Tensor).skip
+
+
+def test_fsdp2s_all_gather_buffer_is_not_checked_when_made():
+    """FSDP2's all_gather_copy_in copies this rank's shard into the all-gather's buffer,
+    whose other parts hold uninitialized memory until the gather fills them: read as made
+    it held NaN bits now and then (a false stop in the backward of a 2-rank job's first
+    step, which the full watch runs op by op). What is copied out after the gather is
+    checked (split_with_sizes_copy, as any op)."""
+    pytest.importorskip("torch.distributed.fsdp")
+    from mldebug.watch.ops import OpInfo
+    assert OpInfo(torch.ops.fsdp.all_gather_copy_in.default).skip
+    assert not OpInfo(torch.ops.fsdp.split_with_sizes_copy.default).skip
