@@ -118,6 +118,12 @@ def location(frame: FrameType | None) -> tuple[str, int, str]:
     return os.path.abspath(frame.f_code.co_filename), frame.f_lineno, frame.f_code.co_name
 
 
+def user_location(frame: FrameType | None) -> tuple[str, int, str]:
+    """(absolute file, line, function) of the innermost user frame at or above FRAME, or
+    ('', 0, '') when there is none."""
+    return location(user_frame(frame))
+
+
 def flush_call_at(filename: str, line: int, name: str):
     """Code that calls `__mldebug_flush__()` at LINE of FILENAME, named NAME: exec'd over
     a user's names (with `__mldebug_flush__` among its locals), the watch's last read runs

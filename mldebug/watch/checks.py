@@ -85,6 +85,15 @@ HOST_READS = True
 _OWN_SUM = (torch.float32, torch.float64)    # summed in their own dtype (no copy)
 
 
+def version_of(t):
+    """T's version counter (bumped by each in-place write), or None: an inference tensor
+    has none."""
+    try:
+        return t._version
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def host_nonfinite(x) -> bool:
     """Whether CPU tensor X (floating) holds a NaN/Inf: the C bit test (no op, no read),
     else one sum and one read."""

@@ -93,7 +93,7 @@ class Mark:
 
 def mark_here(frame) -> Mark:
     """A mark at the innermost user line at or above FRAME."""
-    return Mark(*_frames.location(_frames.user_frame(frame)))
+    return Mark(*_frames.user_location(frame))
 
 
 class WrittenMarks:
@@ -170,7 +170,7 @@ class WrittenMarks:
         if kwargs is None:
             kwargs = call_kwargs(_caller(2))
         if site is None:
-            site = _frames.location(_frames.user_frame(_caller(2)))
+            site = _frames.user_location(_caller(2))
         what = f"the model call {type(module).__name__} at {_short(site)}"
         self._marks_reach(tensors_in((args, kwargs)), what, nan_only=True)
 
@@ -180,7 +180,7 @@ class WrittenMarks:
         if not self._marks:
             return
         if site is None:
-            site = _frames.location(_frames.user_frame(_caller(2)))
+            site = _frames.user_location(_caller(2))
         what = f"the loss, whose backward starts at {_short(site)}" if site[0] else "the loss"
         self._marks_reach(roots, what, nan_only=False)
 

@@ -150,7 +150,7 @@ class Rerun:
             return (f"not re-run: {info.collective}, and a re-run on one rank alone would "
                     "wait for the others (`--watch exact` pins the op)")
         reported = len(self.violations)
-        started = _frames.location(_frames.user_frame(_caller(1)))[:2]
+        started = _frames.user_location(_caller(1))[:2]
         outer = (info.wrapper, None) if info.wrapper is not None else None
         previous = self._rerun
         self._rerun = (started, call.site, self._micro_of(call.micro))

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from ..core import frames as _frames
+from .checks import version_of
 
 _get_state = torch._C.Generator.get_state
 _MODULE_FILE = nn.Module._call_impl.__code__.co_filename
@@ -74,7 +74,7 @@ class RootInfo:
         start = self.start
         for name, b in module._buffers.items():
             if b is not None and (id(module), name) not in start:
-                start[(id(module), name)] = (b, _version(b))
+                start[(id(module), name)] = (b, version_of(b))
 
     def learned(self, args, kwargs) -> None:
         """The first call returned: the parameters and buffers of what it called, and
@@ -93,20 +93,13 @@ class RootInfo:
                 if b is not None:
                     before = self.start.get((id(m), name))
                     if before is not None and b is before[0] and before[1] is not None \
-                            and _version(b) != before[1]:
+                            and version_of(b) != before[1]:
                         self.copied.append(len(self.buffers))
                     self.buffers.append((m, name))
             self.collective = self.collective or _collective(m)
         self.params = params
         self.copies_args = _versions(args, kwargs) != self.start.get("args")
         self.used, self.start = {}, {}
-
-
-def _version(t):
-    try:
-        return t._version
-    except RuntimeError:      # an inference tensor has none
-        return None
 
 
 def _collective(module) -> str:
@@ -279,11 +272,6 @@ def _clone_all(tensors) -> list:
             return list(torch._foreach_clone(tensors))
         except (AttributeError, RuntimeError, TypeError):   # (an older torch)
             return [t.clone() for t in tensors]
-
-
-def _site(frame):
-    """(file, line, function) of the innermost user frame at or above FRAME."""
-    return _frames.location(_frames.user_frame(frame))
 
 
 def _wrapped_by(top, module):

@@ -48,7 +48,7 @@ from . import checks as _checks
 from .checks import (_PLAIN, _STRIDED, _caller, _counts, _is_cpu, _isfinite,
                      host_nonfinite, pop_if_top, push)
 from .checks import host_bad as host_bad_of
-from .roots import (RootCall, _Backward, _KeepGrad, _clone_all, _copy_args, _site,
+from .roots import (RootCall, _Backward, _KeepGrad, _clone_all, _copy_args,
                     _versions, autocast_state, rng_state)
 from .step_ledger import cuda_graph_aside
 
@@ -165,7 +165,7 @@ class HealthyStep:
         call.cpu_rng, call.cuda_rng = rng_state()
         call.autocast = autocast_state()
         call.grad = _grad_enabled()
-        call.site = _site(_caller(2))
+        call.site = _frames.user_location(_caller(2))
         if self._nan_marks:
             # a NaN written on purpose must not reach a model call (marks.py)
             self._check_call_marks(module, args, kwargs, call.site)
@@ -306,7 +306,7 @@ class HealthyStep:
     def _loss_marks(self, roots):
         """A NaN/Inf written on purpose must not be in a loss (marks.py): looked for now,
         and, for one written on a device that no read judged yet, at the read."""
-        site = _frames.location(_frames.user_frame(_caller(2)))
+        site = _frames.user_location(_caller(2))
         if self._marks:
             self._check_loss_marks(roots, site)
         if self._constant_unread:

@@ -26,7 +26,7 @@ from . import data_origin as _data_origin
 from . import hints as _hints
 from .amp import SCALER_OPS, stays_unscaled
 from .checks import (_ALLOWED, METADATA_KEY, _caller, _counts, _floating, _isfinite,
-                     _summary, push)
+                     _summary, push, version_of)
 from .context import module_record
 from .marks import Mark
 from .ops import CONSTANT_WRITERS, argument_name, matches
@@ -129,13 +129,6 @@ class Verdict:
         return items
 
     # taint: non-finite storages already judged (reported, allowed, or propagated)
-    @staticmethod
-    def _version(t):
-        try:
-            return t._version
-        except Exception:  # inference tensors have no version counter
-            return None
-
     def _taint_add(self, t, has_nan, has_inf, lineage, mark=None):
         """Remember `t`'s non-finite values as judged; MARK: they were written on purpose
         or flow from such a write (marks.py)."""
@@ -147,7 +140,7 @@ class Verdict:
             return
         if len(self._taint) > 4096:
             self._prune_taint()
-        version = self._version(t)
+        version = version_of(t)
         self._taint[ptr] = (ref, version, has_nan, has_inf, lineage)
         if mark is not None and not lineage:
             self._marks[ptr] = (ref, version, mark)
@@ -206,7 +199,7 @@ class Verdict:
         if rec is None:
             return None     # not judged, or freed: a new tensor at its address
         _, version, has_nan, has_inf, lineage = rec
-        now = self._version(t)
+        now = version_of(t)
         if version is not None and now is not None and now - version not in (0, 1):
             return None  # written by a later op: that op's own check judged it
         return has_nan, has_inf, lineage

@@ -141,10 +141,7 @@ def test_a_replay_never_changes_buffers_or_results_bitwise(device):
         torch.manual_seed(0)
         model = MaskedNet().to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        got, w = collect()
-        if not watched:
-            w.close()
-            w = contextlib.nullcontext()   # (a closed watch would start again)
+        got, w = collect() if watched else ([], contextlib.nullcontext())
         with w:
             for _ in range(4):
                 opt.zero_grad()
@@ -732,10 +729,7 @@ def test_a_re_run_starts_from_the_buffers_as_the_call_started(device):
         model = nn.Sequential(nn.utils.spectral_norm(nn.Linear(8, 8)), nn.BatchNorm1d(8),
                               Probe(), LogBelow()).to(device)
         x = torch.randn(16, 8, device=device)
-        got, w = collect()
-        if not watched:
-            w.close()
-            w = contextlib.nullcontext()   # (a closed watch would start again)
+        got, w = collect() if watched else ([], contextlib.nullcontext())
         with w:
             for call in range(4):
                 model[3].shift = 0.5 if call == 2 else -100.0
@@ -774,10 +768,7 @@ def test_a_layer_the_root_uses_but_does_not_own_is_not_updated_twice(device):
         model = UsesALayerItDoesNotOwn(norm).to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         x = torch.randn(16, 8, device=device)
-        got, w = collect()
-        if not watched:
-            w.close()
-            w = contextlib.nullcontext()   # (a closed watch would start again)
+        got, w = collect() if watched else ([], contextlib.nullcontext())
         with w:
             for step in range(4):
                 model.shift = 0.0 if step == 2 else -100.0

@@ -210,10 +210,7 @@ def test_a_healthy_run_trains_bitwise_the_same(device):
     for model, on in ((plain, False), (watched, True)):
         torch.manual_seed(1)
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-        w = watch(action="raise")
-        if not on:
-            w.close()
-            w = contextlib.nullcontext()   # (a closed watch would start again)
+        w = watch(action="raise") if on else contextlib.nullcontext()
         with w:
             for _ in range(4):
                 opt.zero_grad()
