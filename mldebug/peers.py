@@ -449,6 +449,10 @@ class Peers:
             self._pause_no += 1
 
     def _peer_stopped(self, store, first: dict) -> None:
+        # this rank's watch may be pinning what it found (the same NaN, come through a
+        # collective): its own stop says more than a peer_stop; the first rank keeps the
+        # job up for ACK_WAIT_S
+        _session.wait_pinned(ACK_WAIT_S)
         with self._lock:
             if self._own_stop:
                 # this rank stopped too: its own stop ends it (exit 3), and says so to

@@ -21,6 +21,7 @@ from conftest import clean_env, marker_line, read_report
 TRAIN = """
     import sys
     import os
+    import time
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -39,6 +40,17 @@ TRAIN = """
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(4, 8, bias=False), Norm(), nn.Linear(8, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if where == "allreduce" and rank == 0:
+        # rank 0's second call of step 2 is the watch's re-run of it (rank 1's Inf came
+        # in through the all-reduce): slow, so that rank 1's stop is heard meanwhile
+        calls = {}
+
+        def slow_rerun(module, args, out):
+            calls[step] = calls.get(step, 0) + 1
+            if step == 2 and calls[step] == 2:
+                time.sleep(1.5)
+
+        model.module.register_forward_hook(slow_rerun)
     g = torch.Generator().manual_seed(rank)
     for step in range(4):
         x, y = torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)

@@ -10,6 +10,7 @@ did (a plain `with mldebug.watch():` script) the factory registered by the packa
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -165,6 +166,34 @@ class Session:
         if violation.step is None:
             violation.step = self.step
         self.stop(Stop.from_violation(violation), violation.frame)
+
+
+# -- a stop on its way ------------------------------------------------------------------
+_pinning = 0                     # engines at work between a finding and its stop
+_pinned = threading.Condition()
+
+
+@contextlib.contextmanager
+def pinning():
+    """Around an engine's work between a cheap check that found a NaN/Inf and the stop
+    it may report (the re-run that pins the op): another rank's stop heard meanwhile
+    waits for this one (`wait_pinned`) rather than ending this rank with a `peer_stop`
+    that would hide what it found (a NaN that reached it through a collective)."""
+    global _pinning
+    with _pinned:
+        _pinning += 1
+    try:
+        yield
+    finally:
+        with _pinned:
+            _pinning -= 1
+            _pinned.notify_all()
+
+
+def wait_pinned(timeout: float) -> None:
+    """Return once no engine is pinning a finding (or after TIMEOUT seconds)."""
+    with _pinned:
+        _pinned.wait_for(lambda: _pinning == 0, timeout)
 
 
 _current: Optional[Session] = None

@@ -33,11 +33,13 @@ and no stop (a constant Inf written on purpose) is not re-run again (`_fruitless
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
 from ..core import frames as _frames
 from ..core import replay as _replay
+from ..core.session import pinning
 from ..core.errors import NonFiniteError
 from ..core.structs import tensors_in
 from .checks import _PLAIN, _STRIDED, _caller, _checkable, _counts, _floating, mode_on
@@ -56,9 +58,19 @@ def floating_outputs(output) -> list:
             and t.layout is _STRIDED and not t.is_nested and not t.is_meta]
 
 
+def _pinning(method):
+    """A re-run pins a finding: the session knows a stop may be on its way."""
+    @functools.wraps(method)
+    def pin(self, *args):
+        with pinning():
+            return method(self, *args)
+    return pin
+
+
 class Rerun:
     """Methods of `Watch` (core.py): the re-run path (state in `Watch`)."""
 
+    @_pinning
     def _rerun_forward(self, call, counts):
         """CALL's output is not finite: re-run it (forward) under the full watch."""
         key = (id(call.info), counts[0] > 0, counts[1] + counts[2] > 0)
@@ -94,6 +106,7 @@ class Rerun:
                               reason=reason or call.unfaithful or NOT_REPEATED,
                               where=call.site, micro=self._micro_of(call.micro))
 
+    @_pinning
     def _rerun_backward(self, bw, bad, new):
         """A parameter gradient of backward BW is not finite (BAD: (param, grad, counts),
         NEW those not judged before): re-run its calls and their backward, latest first."""
