@@ -178,6 +178,9 @@ class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, Roots, HealthyStep, 
         self._nan_marks: dict = {}  # storage ptr -> weakref: of those, the ones with a NaN
         self._flowed_mark = None    # the Mark of the last value judged to flow from one
         self._late = None           # (frame, text) while read before an exception
+        self._in_formula: list = []  # (node, output, violation): a NaN/Inf made inside
+                                     # one of torch's backward formulas, judged once the
+                                     # formula returned (verdict.py)
         self._constant_unread = False   # a device's op wrote a NaN/Inf constant (or one
                                         # flowing from it) that no read has judged yet
         # -- where an op runs

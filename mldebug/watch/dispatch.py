@@ -30,6 +30,7 @@ from .checks import (_F32, _LOW, _PLAIN, _STRIDED, _SUM_DTYPE, _getframe, _grad_
 from .ops import OpInfo
 from .native_check import nonfinite as _native_nonfinite
 
+_current_node = torch._C._current_autograd_node
 _USER_CODE: dict = {}              # code object -> is user code (the hot path's cache)
 _is_user_file = _frames.is_user_file
 
@@ -88,6 +89,8 @@ class _Mode(TorchDispatchMode):
         if w._skip:
             op = info.op
             return op(*args, **kwargs) if kwargs else op(*args)
+        if w._in_formula and w._in_formula[-1][0] is not _current_node():
+            w._judge_formulas()     # (a backward formula returned: what it left is judged)
         if info.skip:
             op = info.op
             if info.lifted:

@@ -7,7 +7,9 @@ the unchecked optimizer step left non-finite, and `_report_unpinned`, for a root
 or a gradient whose re-run could not pin the op. These three build every `Violation` the
 watch reports; `_report` hands one to the callback (or raises), from the owner thread.
 The taint records which non-finite storages were judged already, so that values that
-merely flow on from them are not new stops.
+merely flow on from them are not new stops. A NaN/Inf made inside one of torch's own
+backward formulas is judged once the formula has returned: some mask their own 0/0
+(`_judge_when_formula_ends`).
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ from .marks import Mark
 from .ops import CONSTANT_WRITERS, argument_name, matches
 
 _current_node = torch._C._current_autograd_node
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+_BackwardCFunction = torch.autograd.function.BackwardCFunction
 _get_ident = threading.get_ident
 
 
@@ -82,7 +86,7 @@ class Verdict:
             counts = _counts(t)
             if sum(counts):
                 bad.append((t, list_index, counts))
-        reported = None
+        reported = made = None
         for t, list_index, counts in bad:
             v = self._judge(info, args, kwargs, t, list_index, counts, stage, node_name,
                             node_prov, record, frame, here, freed, dtype)
@@ -91,9 +95,47 @@ class Verdict:
             if v is not None and entry is not None:
                 v.read_later = True
             if v is not None and reported is None:
-                reported = v
-        if reported is not None:
-            self._report(reported)
+                reported, made = v, t
+        if reported is None:
+            return
+        if entry is None and reported.created and node is not None \
+                and not isinstance(node, _BackwardCFunction):
+            self._judge_when_formula_ends(node, made, reported)
+            return
+        self._report(reported)
+
+    def _judge_when_formula_ends(self, node, t, v) -> None:
+        """A NaN/Inf made inside one of torch's backward formulas (NODE's), from finite
+        values: a formula may mask it itself before it returns (the norm's derivative at
+        0 is `(grad / norm).masked_fill_(norm == 0, 0)`, F.normalize's of an all-zero
+        row), so it is a stop only if it is still there when the formula has returned:
+        judged at the next op of another node (the per-op check), or when backward ends.
+        A formula the program wrote (an autograd.Function) is judged at once, paused in
+        its code."""
+        if not self._in_formula:
+            _queue_callback(self._judge_formulas)
+        self._in_formula.append((node, t, v))
+
+    def _judge_formulas(self) -> None:
+        """The formulas returned: each value judged inside one that is still not finite
+        is a stop; one the formula masked was the formula's own (forgotten)."""
+        pending, self._in_formula = self._in_formula, []
+        for _, t, v in pending:
+            with self._own_ops():
+                masked = not sum(_counts(t))
+            if masked:
+                self._forget_taint(t)
+            elif not self._skip:
+                self._report(v)
+
+    def _forget_taint(self, t) -> None:
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except Exception:  # noqa: BLE001 - no storage: nothing was recorded
+            return
+        self._taint.pop(ptr, None)
+        if self._marks:
+            self._forget_mark(ptr)
 
     @staticmethod
     def _flatten_outputs(outs):

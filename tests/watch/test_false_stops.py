@@ -34,6 +34,8 @@ CASES = [
     ("action_masking.py", ()),       # illegal actions masked with -inf logits
     ("transformer_mask.py", ()),     # a -inf causal mask passed into the model call
     ("max_pool_padding.py", ()),     # -inf padding (full, F.pad) under a max
+    ("normalized_embeddings.py", ()),  # F.normalize / norm of an all-zero row: torch's
+                                       # backward formula masks its own 0/0
 ]
 IDS = [f"{name[:-3]}{'-' + '-'.join(args) if args else ''}" for name, args in CASES]
 RUNS = {"plain": [sys.executable],
