@@ -177,7 +177,7 @@ class DeviceWindow:
             except Exception:                # noqa: BLE001 - (a subclass without storage)
                 pass
         self._win.append((slots, func, info, wargs, wkwargs, wouts,
-                          (stage, node_name, node_prov, record, here), prior,
+                          (stage, node_name, node_prov, record, here, self._micro), prior,
                           flat[0].dtype, safe, memory, written))
         if len(self._win) >= WINDOW_MAX:
             self._flush_window()

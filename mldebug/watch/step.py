@@ -323,6 +323,9 @@ class HealthyStep:
         calls = self._calls
         if (self._skip or self.exact or _get_ident() != self._owner or self._in_backward
                 or self._rerunning or not calls):
+            if self.exact and not (self._skip or self._in_backward or self._rerunning) \
+                    and _get_ident() == self._owner:
+                self._micro += 1      # (its stops name the micro-batch: _micro_by_op)
             return proceed(tensors, grad_tensors, *args, **kwargs)   # (op by op)
         opts = dict(zip(("retain_graph", "create_graph", "grad_variables", "inputs"), args))
         opts.update(kwargs)
@@ -487,6 +490,17 @@ class HealthyStep:
                    "finite values (an overflow); it runs op by op only with "
                    "`--watch exact`, which pins the op", micro=self._micro_of(call.micro))
         return len(self.violations) > n0
+
+    def _micro_by_op(self, stage, backwards=None):
+        """The micro-batch of a stop made at the op (per-op check, `--watch exact`) or at a
+        root call (a NaN written on purpose reaching it): the forward of the next
+        backward, or the backward running, as a re-run's stop names it. BACKWARDS: the
+        step's backwards when the op ran (default: now)."""
+        if stage == "optimizer":
+            return None
+        if backwards is None:
+            backwards = self._micro
+        return self._micro_of(backwards + 1 if stage == "forward" else backwards)
 
     def _micro_of(self, micro):
         """The micro-batch a stop names (1, 2, ...: which forward and backward since the

@@ -74,9 +74,9 @@ class Verdict:
             if record is None and stage == "forward":
                 record = module_record(_caller(1))   # (a module outside the roots)
             frame = _frames.user_frame(_caller(1))
-            here = None
+            here = backwards = None
         else:
-            stage, node_name, node_prov, record, here = entry
+            stage, node_name, node_prov, record, here, backwards = entry
             frame = _frames.user_frame(_caller(1)) if _get_ident() == self._owner else None
         bad = []
         for index, item in enumerate(self._flatten_outputs(outs)):
@@ -89,7 +89,7 @@ class Verdict:
         reported = made = None
         for t, list_index, counts in bad:
             v = self._judge(info, args, kwargs, t, list_index, counts, stage, node_name,
-                            node_prov, record, frame, here, freed, dtype)
+                            node_prov, record, frame, here, freed, dtype, backwards)
             if v is not None and note:
                 v.text = f"{v.text}; {note}" if v.text else note
             if v is not None and entry is not None:
@@ -247,8 +247,9 @@ class Verdict:
         return has_nan, has_inf, lineage
 
     def _judge(self, info, args, kwargs, bad, list_index, counts, stage, node_name, node_prov,
-               record, frame, here, freed=None, dtype=None):
-        """Apply the stop rule to one non-finite output; return a Violation or None."""
+               record, frame, here, freed=None, dtype=None, backwards=None):
+        """Apply the stop rule to one non-finite output; return a Violation or None.
+        BACKWARDS: the step's backwards when the op ran (judged later: a device window)."""
         nan, posinf, neginf = counts
         out_nan = nan > 0
         self._judged += 1
@@ -415,7 +416,7 @@ class Verdict:
                     for label, value, *_ in rows],
             param=param, node=node_name,
             step=self._steps if self._opt_seen else None, text=text,
-            micro_batch=rerun[2] if rerun is not None else None,
+            micro_batch=rerun[2] if rerun is not None else self._micro_by_op(stage, backwards),
         )
         with self._own_ops():       # (read once, at the stop: what the hints need)
             v.evidence = _hints.gather(info, args, kwargs, rows, bad, stage, here is None)
