@@ -40,7 +40,8 @@ to find the op).
 
 State: every attribute of `Watch` is set in `__init__`, with what it is for. The class
 is split by job into mixins, one module each: PerOpCheck (dispatch.py), Verdict
-(verdict.py), DeviceWindow (device_window.py), DeviceReads (step_ledger.py), Roots
+(verdict.py), Taint (taint.py: what was judged already), DeviceWindow
+(device_window.py), DeviceReads (step_ledger.py), Roots
 (roots.py), HealthyStep (step.py), OptimizerStep (update.py), Rerun (rerun.py),
 CompiledBoundary (compiled.py), GraphReplays (graph_replays.py), WrittenMarks (marks.py:
 NaN/Inf the program writes on purpose, and where they must not go). This module: the
@@ -85,6 +86,7 @@ from .roots import Roots, _RootHook, call_kwargs
 from .step import HealthyStep
 from .update import OptimizerStep
 from .step_ledger import DeviceReads, StepLedger, cuda_graph_aside
+from .taint import Taint
 from .verdict import Verdict
 
 _get_ident = threading.get_ident
@@ -121,8 +123,8 @@ def active_watch():
     return _ACTIVE
 
 
-class Watch(PerOpCheck, Verdict, DeviceWindow, DeviceReads, Roots, HealthyStep, OptimizerStep,
-            Rerun, CompiledBoundary, GraphReplays, WrittenMarks):
+class Watch(PerOpCheck, Verdict, Taint, DeviceWindow, DeviceReads, Roots, HealthyStep,
+            OptimizerStep, Rerun, CompiledBoundary, GraphReplays, WrittenMarks):
     """A running numerics watch. Use as a context manager or call `close()`.
 
     `enabled` is True while it checks ops (started, not suspended, not in a worker

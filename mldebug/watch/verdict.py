@@ -6,8 +6,8 @@ the cheap checks' verdicts: `_judge_step`, for a parameter (or its optimizer sta
 the unchecked optimizer step left non-finite, and `_report_unpinned`, for a root's output
 or a gradient whose re-run could not pin the op. These three build every `Violation` the
 watch reports; `_report` hands one to the callback (or raises), from the owner thread.
-The taint records which non-finite storages were judged already, so that values that
-merely flow on from them are not new stops. A NaN/Inf made inside one of torch's own
+The taint (taint.py) records which non-finite storages were judged already, so that
+values that merely flow on from them are not new stops. A NaN/Inf made inside one of torch's own
 backward formulas is judged once the formula has returned: some mask their own 0/0
 (`_judge_when_formula_ends`).
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import threading
-import weakref
 
 import torch
 from torch import Tensor
@@ -28,7 +27,7 @@ from . import data_origin as _data_origin
 from . import hints as _hints
 from .amp import SCALER_OPS, stays_unscaled
 from .checks import (_ALLOWED, METADATA_KEY, _caller, _counts, _floating, _isfinite,
-                     _summary, push, version_of)
+                     _summary, push)
 from .context import module_record
 from .marks import Mark
 from .ops import CONSTANT_WRITERS, argument_name, matches
@@ -128,15 +127,6 @@ class Verdict:
             elif not self._skip:
                 self._report(v)
 
-    def _forget_taint(self, t) -> None:
-        try:
-            ptr = t.untyped_storage().data_ptr()
-        except Exception:  # noqa: BLE001 - no storage: nothing was recorded
-            return
-        self._taint.pop(ptr, None)
-        if self._marks:
-            self._forget_mark(ptr)
-
     @staticmethod
     def _flatten_outputs(outs):
         """[(tensor, index within its list or None)]"""
@@ -171,81 +161,6 @@ class Verdict:
         return items
 
     # taint: non-finite storages already judged (reported, allowed, or propagated)
-    def _taint_add(self, t, has_nan, has_inf, lineage, mark=None):
-        """Remember `t`'s non-finite values as judged; MARK: they were written on purpose
-        or flow from such a write (marks.py)."""
-        try:
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            ref = weakref.ref(storage)   # storage objects are preserved: dies with the memory
-        except Exception:
-            return
-        if len(self._taint) > 4096:
-            self._prune_taint()
-        version = version_of(t)
-        self._taint[ptr] = (ref, version, has_nan, has_inf, lineage)
-        if mark is not None and not lineage:
-            self._marks[ptr] = (ref, version, mark)
-            if has_nan:
-                self._nan_marks[ptr] = ref
-        elif self._marks:
-            self._forget_mark(ptr)
-
-    def _taint_at(self, address, storage=None):
-        """The taint record (storage ref, version, has_nan, has_inf, lineage) of the memory
-        at ADDRESS while the storage it was taken of lives (STORAGE: that very storage,
-        when the caller knows it; a later tensor can reuse the address), else None."""
-        rec = self._taint.get(address)
-        if rec is None:
-            return None
-        held = rec[0]()
-        if held is None or (storage is not None and held is not storage):
-            return None
-        return rec
-
-    def _prune_taint(self) -> None:
-        """Drop the records of non-finite tensors whose memory is gone."""
-        self._taint = {k: r for k, r in self._taint.items() if r[0]() is not None}
-        if self._marks:
-            self._marks = {k: r for k, r in self._marks.items() if r[0]() is not None}
-            self._nan_marks = {k: r for k, r in self._nan_marks.items() if r() is not None}
-
-    def _taint_of_storage(self, t):
-        """(has_nan, has_inf, lineage) judged of `t`'s memory at any earlier version."""
-        if not self._taint:
-            return None
-        try:
-            rec = self._taint.get(t.untyped_storage().data_ptr())
-        except Exception:
-            return None
-        if rec is None or rec[0]() is None:
-            return None
-        return rec[2:]
-
-    def _no_live_taint(self) -> bool:
-        """Whether no non-finite tensor judged so far is still alive (dead ones dropped)."""
-        if self._taint:
-            self._prune_taint()
-        return not self._taint
-
-    def _taint_get(self, t):
-        """(has_nan, has_inf, lineage) if `t`'s current non-finite values were already
-        judged; lineage: they descend from a reported stop."""
-        if not self._taint:
-            return None
-        try:
-            ptr = t.untyped_storage().data_ptr()
-        except Exception:
-            return None
-        rec = self._taint_at(ptr)
-        if rec is None:
-            return None     # not judged, or freed: a new tensor at its address
-        _, version, has_nan, has_inf, lineage = rec
-        now = version_of(t)
-        if version is not None and now is not None and now - version not in (0, 1):
-            return None  # written by a later op: that op's own check judged it
-        return has_nan, has_inf, lineage
-
     def _judge(self, info, args, kwargs, bad, list_index, counts, stage, node_name, node_prov,
                record, frame, here, freed=None, dtype=None, backwards=None):
         """Apply the stop rule to one non-finite output; return a Violation or None.
