@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import headless_chromium
-from test_view import needs_chromium, wait_text
+from test_view import needs_chromium, wait_text, wait_until
 from mldebug.record.timeline import hist_grid, resample_hist
 
 STEPS, EVERY = 20, 2          # 20 loss points, 10 recorded steps per run
@@ -250,11 +250,10 @@ def test_log_scale_switches_the_histogram_colours_and_the_kpi_axis(page, runs):
     assert page.evaluate(GLYPH_JS, "mld-tl-image-a") == "LinearColorMapper"
     assert page.evaluate(VISIBLE_JS, "mld-tl-kpi-log") is False
     page.get_by_text("log scale (histogram colours, KPI)").click()
-    deadline = time.monotonic() + 20
-    while page.evaluate(GLYPH_JS, "mld-tl-image-a") != "LogColorMapper":
-        assert time.monotonic() < deadline, "the log colour mapper never came"
-        page.wait_for_timeout(100)
-    assert page.evaluate(VISIBLE_JS, "mld-tl-kpi-log") is True
+    # (the mapper and the figures' visibility reach the page as separate changes)
+    wait_until(page, lambda: page.evaluate(GLYPH_JS, "mld-tl-image-a"),
+               lambda v: v == "LogColorMapper")
+    wait_until(page, lambda: page.evaluate(VISIBLE_JS, "mld-tl-kpi-log"), lambda v: v is True)
     canvas = page.locator(".mld-tl-kpi-log canvas").first
     deadline = time.monotonic() + 20
     while canvas.evaluate(COLOURED_JS) < 50:                   # the KPI line is drawn
@@ -266,11 +265,9 @@ def test_log_scale_switches_the_histogram_colours_and_the_kpi_axis(page, runs):
         assert time.monotonic() < deadline, hist.evaluate(COLOURED_JS)
         page.wait_for_timeout(100)
     page.get_by_text("log scale (histogram colours, KPI)").click()
-    deadline = time.monotonic() + 20
-    while page.evaluate(GLYPH_JS, "mld-tl-image-a") != "LinearColorMapper":
-        assert time.monotonic() < deadline
-        page.wait_for_timeout(100)
-    assert page.evaluate(VISIBLE_JS, "mld-tl-kpi-log") is False
+    wait_until(page, lambda: page.evaluate(GLYPH_JS, "mld-tl-image-a"),
+               lambda v: v == "LinearColorMapper")
+    wait_until(page, lambda: page.evaluate(VISIBLE_JS, "mld-tl-kpi-log"), lambda v: v is False)
 
 
 def test_the_timeline_says_the_rank_of_a_jobs_run(tmp_path, monkeypatch):
