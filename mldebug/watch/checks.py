@@ -22,6 +22,7 @@ _LOW = frozenset(d for d in (torch.float16, torch.bfloat16,
 _isfinite = math.isfinite
 _is_cpu = operator.attrgetter("is_cpu")     # (in map(): no Python call per tensor)
 _grad_enabled = torch.is_grad_enabled
+_BackwardCFunction = torch.autograd.function.BackwardCFunction
 # floating dtype -> dtype to sum in (None: its own; float32 for the low-precision ones,
 # whose sum would overflow); missing: not checked (integer, bool, complex)
 _SUM_DTYPE = {d: (_F32 if d.itemsize < 4 else None) for d in vars(torch).values()
@@ -92,6 +93,12 @@ def version_of(t):
         return t._version
     except Exception:  # noqa: BLE001
         return None
+
+
+def torch_formula(node) -> bool:
+    """Whether NODE (the autograd node running, or None) is one of torch's own backward
+    formulas, not a backward the program wrote (an autograd.Function's)."""
+    return node is not None and not isinstance(node, _BackwardCFunction)
 
 
 def host_nonfinite(x) -> bool:

@@ -234,8 +234,7 @@ class WrittenMarks:
             created=False, culprit=f"a {noun} written on purpose at {mark.where()}",
             output=output, inputs=list(inputs), param=param, node=node,
             step=self._steps if self._opt_seen else None, reached=what,
-            micro_batch=self._rerun[2] if self._rerun is not None else
-            self._micro_by_op(stage),
+            micro_batch=self._micro_by_op(stage),
             text=(f"the {noun} written on purpose at {mark.where()} (a non-finite constant "
                   f"the program wrote) reaches {what}; a constant written as a marker or "
                   "a mask must be cleaned (torch.nan_to_num, torch.where) or masked out "

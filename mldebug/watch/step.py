@@ -321,11 +321,11 @@ class HealthyStep:
 
     def _checked_backward(self, proceed, roots, tensors, grad_tensors, args, kwargs):
         calls = self._calls
-        if (self._skip or self.exact or _get_ident() != self._owner or self._in_backward
-                or self._rerunning or not calls):
-            if self.exact and not (self._skip or self._in_backward or self._rerunning) \
-                    and _get_ident() == self._owner:
-                self._micro += 1      # (its stops name the micro-batch: _micro_by_op)
+        mine = not (self._skip or self._in_backward or self._rerunning) \
+            and _get_ident() == self._owner
+        if mine and self.exact:
+            self._micro += 1          # (its stops name the micro-batch: _micro_by_op)
+        if not mine or self.exact or not calls:
             return proceed(tensors, grad_tensors, *args, **kwargs)   # (op by op)
         opts = dict(zip(("retain_graph", "create_graph", "grad_variables", "inputs"), args))
         opts.update(kwargs)
@@ -492,10 +492,12 @@ class HealthyStep:
         return len(self.violations) > n0
 
     def _micro_by_op(self, stage, backwards=None):
-        """The micro-batch of a stop made at the op (per-op check, `--watch exact`) or at a
-        root call (a NaN written on purpose reaching it): the forward of the next
-        backward, or the backward running, as a re-run's stop names it. BACKWARDS: the
-        step's backwards when the op ran (default: now)."""
+        """The micro-batch of a stop made at the op (per-op check, `--watch exact`, a
+        re-run) or at a root call (a NaN written on purpose reaching it): in a re-run its
+        call's; else the forward of the next backward, or the backward running.
+        BACKWARDS: the step's backwards when the op ran (default: now)."""
+        if self._rerun is not None:
+            return self._rerun[2]
         if stage == "optimizer":
             return None
         if backwards is None:

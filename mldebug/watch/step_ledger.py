@@ -39,11 +39,10 @@ from ..core import cuda_graphs as _cuda_graphs
 from ..core.native import with_values
 from ..core.structs import tensors_in
 from .checks import mode_on
-from .checks import _F32, _PLAIN
+from .checks import _F32, _PLAIN, torch_formula
 
 _log = logging.getLogger(__name__)
 _current_node = torch._C._current_autograd_node
-_BackwardCFunction = torch.autograd.function.BackwardCFunction
 _UNREADABLE: list = []     # the first tensor the ledger could not read (said once)
 # what the watch says, once, when it first steps aside for a CUDA graph capture
 CAPTURE_NOTE = ("the watch does not check inside it (its kernels have no values until a "
@@ -228,12 +227,6 @@ def _storages(sources) -> set:
     return found
 
 
-def _in_torch_formula() -> bool:
-    """Whether one of torch's backward formulas runs now (not an autograd.Function's)."""
-    node = _current_node()
-    return node is not None and not isinstance(node, _BackwardCFunction)
-
-
 def cuda_graph_aside() -> bool:
     """Whether the watch steps aside now: this thread's CUDA stream is capturing a graph
     (said once; `core.cuda_graphs`)."""
@@ -319,10 +312,10 @@ class DeviceReads:
         still sees what the program saw (and a re-run computes what it did)."""
         ledger = self._ledger
         written = memory_addresses(tensors)
-        if ledger._held and not _in_torch_formula():
+        if ledger._held and not torch_formula(_current_node()):
             # (inside one of torch's backward formulas the write is the formula's own:
             # what it leaves is checked, as on the host, verdict.py
-            # `_judge_when_backward_ends`: `(grad / norm).masked_fill_(norm == 0, 0)`)
+            # `_judge_when_formula_ends`: `(grad / norm).masked_fill_(norm == 0, 0)`)
             ledger.reduce_before_write(written)
         if not ledger.sources:
             return

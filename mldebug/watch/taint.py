@@ -92,6 +92,8 @@ class Taint:
         return has_nan, has_inf, lineage
 
     def _forget_taint(self, t) -> None:
+        """`t`'s values were judged non-finite and are finite now (their maker masked
+        them): no record of them is kept."""
         try:
             ptr = t.untyped_storage().data_ptr()
         except Exception:  # noqa: BLE001 - no storage: nothing was recorded
@@ -99,4 +101,3 @@ class Taint:
         self._taint.pop(ptr, None)
         if self._marks:
             self._forget_mark(ptr)
-

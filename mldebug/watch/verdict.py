@@ -7,9 +7,9 @@ the unchecked optimizer step left non-finite, and `_report_unpinned`, for a root
 or a gradient whose re-run could not pin the op. These three build every `Violation` the
 watch reports; `_report` hands one to the callback (or raises), from the owner thread.
 The taint (taint.py) records which non-finite storages were judged already, so that
-values that merely flow on from them are not new stops. A NaN/Inf made inside one of torch's own
-backward formulas is judged once the formula has returned: some mask their own 0/0
-(`_judge_when_formula_ends`).
+values that merely flow on from them are not new stops. A NaN/Inf made inside one of
+torch's own backward formulas is judged once the formula has returned: some mask their
+own 0/0 (`_judge_when_formula_ends`).
 """
 from __future__ import annotations
 
@@ -27,14 +27,13 @@ from . import data_origin as _data_origin
 from . import hints as _hints
 from .amp import SCALER_OPS, stays_unscaled
 from .checks import (_ALLOWED, METADATA_KEY, _caller, _counts, _floating, _isfinite,
-                     _summary, push)
+                     _summary, push, torch_formula)
 from .context import module_record
 from .marks import Mark
 from .ops import CONSTANT_WRITERS, argument_name, matches
 
 _current_node = torch._C._current_autograd_node
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
-_BackwardCFunction = torch.autograd.function.BackwardCFunction
 _get_ident = threading.get_ident
 
 
@@ -97,8 +96,7 @@ class Verdict:
                 reported, made = v, t
         if reported is None:
             return
-        if entry is None and reported.created and node is not None \
-                and not isinstance(node, _BackwardCFunction):
+        if entry is None and reported.created and torch_formula(node):
             self._judge_when_formula_ends(node, made, reported)
             return
         self._report(reported)
@@ -160,7 +158,6 @@ class Verdict:
             one(lambda k, i: argument_name(info, k, i), name, value)
         return items
 
-    # taint: non-finite storages already judged (reported, allowed, or propagated)
     def _judge(self, info, args, kwargs, bad, list_index, counts, stage, node_name, node_prov,
                record, frame, here, freed=None, dtype=None, backwards=None):
         """Apply the stop rule to one non-finite output; return a Violation or None.
@@ -305,7 +302,6 @@ class Verdict:
             file = os.path.abspath(file) if file and not file.startswith("<") else file
         else:
             file, line, function = _frames.location(frame)
-        rerun = self._rerun     # (an op of a re-run right under the call: _report)
         module, module_type = self._names.path(record) if stage != "optimizer" else ("", "")
         if stage == "optimizer":
             param = self._names.param(bad, self._optimizer)
@@ -331,7 +327,7 @@ class Verdict:
                     for label, value, *_ in rows],
             param=param, node=node_name,
             step=self._steps if self._opt_seen else None, text=text,
-            micro_batch=rerun[2] if rerun is not None else self._micro_by_op(stage, backwards),
+            micro_batch=self._micro_by_op(stage, backwards),
         )
         with self._own_ops():       # (read once, at the stop: what the hints need)
             v.evidence = _hints.gather(info, args, kwargs, rows, bad, stage, here is None)
