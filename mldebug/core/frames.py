@@ -111,11 +111,21 @@ def innermost_user_frame(tb) -> FrameType | None:
     return found
 
 
+_ABSOLUTE: dict = {}     # a code object's file name -> its absolute path
+
+
 def location(frame: FrameType | None) -> tuple[str, int, str]:
     """(absolute file, line, function) of a frame, or ('', 0, '')."""
     if frame is None:
         return "", 0, ""
-    return os.path.abspath(frame.f_code.co_filename), frame.f_lineno, frame.f_code.co_name
+    code = frame.f_code
+    name = code.co_filename
+    path = _ABSOLUTE.get(name)
+    if path is None:
+        # (once per file: the watch asks it at every root call and optimizer step; a
+        # relative name is the directory's the program started in, as when first seen)
+        path = _ABSOLUTE[name] = os.path.abspath(name)
+    return path, frame.f_lineno, code.co_name
 
 
 def user_location(frame: FrameType | None) -> tuple[str, int, str]:

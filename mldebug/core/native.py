@@ -57,10 +57,22 @@ def values_address(x: torch.Tensor) -> int:
         ptr = x.data_ptr()            # a wrapper tensor (no storage) raises
     except RuntimeError:
         return 0
-    if not ptr or x._is_zerotensor() or x.untyped_storage().nbytes() \
-            < (x.storage_offset() + x.numel()) * x.element_size():
+    if not ptr or x._is_zerotensor() or not _in_storage(x):
         return 0
     return ptr
+
+
+def _in_storage(x: torch.Tensor) -> bool:
+    """Whether X's storage still holds every value X addresses: a dense tensor's
+    `storage_offset + numel` values, or for one with gaps or overlaps (a slice, an
+    expanded tensor: more values than memory) the extent its strides reach."""
+    have = x.untyped_storage().nbytes()
+    if have >= (x.storage_offset() + x.numel()) * x.element_size():
+        return True
+    if x.is_contiguous() or not x.numel():
+        return False
+    last = sum((size - 1) * stride for size, stride in zip(x.shape, x.stride()))
+    return have >= (x.storage_offset() + last + 1) * x.element_size()
 
 
 def with_values(items: list) -> list:
@@ -75,8 +87,8 @@ def with_values(items: list) -> list:
             ptr = x.data_ptr()
         except RuntimeError:
             continue
-        if ptr and not x._is_zerotensor() and x.untyped_storage().nbytes() \
-                >= (x.storage_offset() + x.numel()) * x.element_size():
+        if ptr and not x._is_zerotensor() and (x.untyped_storage().nbytes() >= (
+                x.storage_offset() + x.numel()) * x.element_size() or _in_storage(x)):
             kept.append(item)
     return kept
 

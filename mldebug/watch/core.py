@@ -49,10 +49,10 @@ lifecycle and the global hooks.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import warnings
+import weakref
 
 import torch
 import torch.nn.modules.module as _module_hooks
@@ -74,7 +74,7 @@ from . import compiled as _compiled
 from . import data_origin as _data_origin
 from . import dispatch as _dispatch
 from .amp import LossScaling
-from .checks import _ALLOWED, METADATA_KEY, _caller, mode_off
+from .checks import _ALLOWED, METADATA_KEY, _caller, pop_if_top, push
 from .compiled import CompiledBoundary
 from .context import ModuleNames
 from .device_window import DeviceWindow
@@ -216,6 +216,10 @@ class Watch(PerOpCheck, Verdict, Taint, DeviceWindow, DeviceReads, Roots, Health
         self._opt_seen = False
         self._step_grads: dict = {}  # id(param) -> (counts, judged, from a stop) of its
                                      # gradient read before the last step (a device)
+        self._step_tensors = weakref.WeakKeyDictionary()   # optimizer -> the tensors
+                                     # its step writes (update.StepTensors)
+        self._bad_state: dict = {}   # (id(param), state key) -> (step, from a stop): the
+                                     # optimizer's state that a step left non-finite
         self._ledger = StepLedger()  # device tensors waiting for their read
 
     # -- lifecycle -------------------------------------------------------------------
@@ -297,6 +301,7 @@ class Watch(PerOpCheck, Verdict, Taint, DeviceWindow, DeviceReads, Roots, Health
             self._pending, self._win, self._stash, self._calls = [], [], [], []
             self._ledger = StepLedger()
             self._step_grads, self._roots = {}, {}
+            self._step_tensors, self._bad_state = weakref.WeakKeyDictionary(), {}
             self._top = self._call = None
             self._inside = self._opt_depth = 0
             if _ACTIVE is self:
@@ -374,10 +379,7 @@ class Watch(PerOpCheck, Verdict, Taint, DeviceWindow, DeviceReads, Roots, Health
 
     def _own_ops(self):
         """mldebug's own ops (counts, summaries) off the per-op check and unwatched."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(self.suspended())
-        stack.enter_context(mode_off(self._mode))
-        return stack
+        return _OwnOps(self)
 
     def _update_skip(self):
         self._skip = (not self._started) or self._suspend > 0 or _IN_CHILD or (
@@ -499,6 +501,30 @@ class _Suspended:
     def __exit__(self, *exc):
         self.watch._suspend -= 1
         self.watch._update_skip()
+
+
+class _OwnOps:
+    """`Watch._own_ops()`: suspended, and the mode off the stack (one object, not an
+    ExitStack of two: the step's read enters it on every training step)."""
+
+    __slots__ = ("watch", "popped")
+
+    def __init__(self, watch):
+        self.watch = watch
+
+    def __enter__(self):
+        watch = self.watch
+        watch._suspend += 1
+        watch._update_skip()
+        self.popped = pop_if_top(watch._mode)
+        return watch
+
+    def __exit__(self, *exc):
+        watch = self.watch
+        if self.popped:
+            push(watch._mode)
+        watch._suspend -= 1
+        watch._update_skip()
 
 
 class Allowed:

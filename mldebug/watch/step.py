@@ -511,12 +511,13 @@ class HealthyStep:
         return micro if micro and (micro > 1 or self._accumulating) else None
 
     # -- the checks ----------------------------------------------------------------------
-    def _check(self, tensors, judge, alive=False, defer=False) -> bool:
+    def _check(self, tensors, judge, alive=False, defer=False, grouped=None) -> bool:
         """JUDGE(bad), BAD the indices in TENSORS of those that hold a NaN/Inf: on the CPU
         now (the C bit test: no op, no read), on a device at the ledger's read: now, or
         with the training step's when DEFER. ALIVE: they live on anyway (parameters,
-        gradients, state), else temporaries the ledger holds within its bound. Whether
-        the ledger holds some of them now."""
+        gradients, state), else temporaries the ledger holds within its bound. GROUPED:
+        TENSORS (alive) grouped already (`StepLedger.hold_grouped`), or None.
+        Whether the ledger holds some of them now."""
         host_bad, on_device = [], []
         if _checks.HOST_READS:
             if all(map(_is_cpu, tensors)):
@@ -530,9 +531,11 @@ class HealthyStep:
         else:
             on_device = list(range(len(tensors)))
         if on_device:
-            held = tensors if len(on_device) == len(tensors) else \
-                [tensors[i] for i in on_device]
-            slots = self._ledger.hold(held, alive)
+            if len(on_device) == len(tensors):
+                slots = self._ledger.hold(tensors, alive) if grouped is None else \
+                    self._ledger.hold_grouped(grouped, len(tensors))
+            else:
+                slots = self._ledger.hold([tensors[i] for i in on_device], alive)
             self._ledger.then(partial(_bad_ones, judge, host_bad, on_device, slots))
             if not defer:
                 self._read_ledger()

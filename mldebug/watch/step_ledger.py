@@ -7,7 +7,8 @@ reduction and a read of its own: the tensor is *held* here, and a window of the 
 (an outermost module call, the loss region, backward, the optimizer step) registers what
 to do should one of its tensors turn out non-finite (its *judge*). A read reduces what is
 held with one `_foreach_norm` per device and dtype (the infinity norm: a NaN or an Inf
-survives it, finite values never overflow it), one `stack`, one `amax` and one `.item()`.
+survives it, finite values never overflow it; the few tensors with gaps or overlaps in
+one more, `fused_key`), one `stack`, one `amax` and one `.item()`.
 Only when that one value is not finite are the norms read one by one and the judges run,
 oldest first, each doing what its window would have done had it been read at once.
 
@@ -40,9 +41,12 @@ from ..core.native import with_values
 from ..core.structs import tensors_in
 from .checks import mode_on
 from .checks import _F32, _PLAIN, torch_formula
+from .native_check import _dense
 
 _log = logging.getLogger(__name__)
 _current_node = torch._C._current_autograd_node
+_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
 _UNREADABLE: list = []     # the first tensor the ledger could not read (said once)
 # what the watch says, once, when it first steps aside for a CUDA graph capture
 CAPTURE_NOTE = ("the watch does not check inside it (its kernels have no values until a "
@@ -53,18 +57,29 @@ _GROUP = 64
 _GROUP_BYTES = 64 << 20
 
 
+def fused_key(x) -> tuple:
+    """The group X is reduced in: (device, dtype, dense). On a GPU one `_foreach_norm` of
+    dense tensors (no gaps, no overlaps: contiguous, channels-last, transposed) is one
+    fused launch; one tensor that is not (a slice, an expanded gradient) sends the whole
+    list down the path of one reduction per tensor (ATen's `can_use_fast_route`):
+    hundreds of launches a step. Those few go in a list of their own."""
+    return (x.get_device(), x.dtype, x.is_contiguous() or _dense(x))
+
+
 class StepLedger:
     """Device tensors waiting for their check, by slot, and the judges to run on a bad one."""
 
-    __slots__ = ("_held", "_held_bytes", "_kept", "_kept_ids", "_norms", "_slots",
-                 "_judges", "_late", "_lock", "slots", "backwards", "calls", "sources",
-                 "waiting")
+    __slots__ = ("_held", "_held_bytes", "_kept", "_kept_ids", "_grouped", "_norms",
+                 "_slots", "_judges", "_late", "_lock", "slots", "backwards", "calls",
+                 "sources", "waiting")
 
     def __init__(self):
         self._held: list = []      # temporaries: (tensor, slot), bounded
         self._held_bytes = 0
         self._kept: list = []      # tensors that live on anyway: (tensor, slot)
         self._kept_ids: dict = {}  # id(tensor) -> slot, of those
+        self._grouped: list = []   # tensors that live on anyway, grouped by their holder:
+                                   # (fused_key, tensors, indices, first slot)
         self._norms: list = []     # 0-d float32 norms on the device, of reduced tensors
         self._slots: list = []     # their slots
         self._judges: list = []    # (judge, always): judge(values) at the read
@@ -81,7 +96,7 @@ class StepLedger:
         return bool(self._judges)
 
     def holds_tensors(self) -> bool:
-        return bool(self._held or self._kept or self._norms)
+        return bool(self._held or self._kept or self._grouped or self._norms)
 
     def hold(self, tensors, alive: bool = False) -> list:
         """Slots for TENSORS (floating, strided, on a device), checked at the next read.
@@ -121,6 +136,18 @@ class StepLedger:
             self._reduce(held)
         return slots
 
+    def hold_grouped(self, groups, n) -> range:
+        """Slots for N tensors that live on anyway (an optimizer's parameters and state),
+        grouped once by their holder: GROUPS {fused_key: (tensors, their indices among
+        the N)} (update.StepTensors). Not shared with `hold`'s tensors: one held both
+        ways is read twice."""
+        with self._lock:
+            start = self.slots
+            self.slots += n
+            for key, (xs, indices) in groups.items():
+                self._grouped.append((key, xs, indices, start))
+        return range(start, start + n)
+
     def reduce_before_write(self, written) -> None:
         """An op is about to write WRITTEN (memory addresses) in place: if a held
         temporary lives there, reduce what is held now (queued, no sync), so that its
@@ -143,57 +170,73 @@ class StepLedger:
         also when all are, with values None). values: slot -> float."""
         self._judges.append((judge, always))
 
-    def _reduce(self, items) -> None:
+    def _reduce(self, items, grouped=()) -> None:
         groups: dict = {}
         for x, slot in with_values(items):   # (not memory let go since it was held)
-            key = (x.get_device(), x.dtype)     # (cheaper than x.device)
+            key = (x.get_device(), x.dtype, x.is_contiguous() or _dense(x))  # (fused_key)
             group = groups.get(key)
             if group is None:
                 group = groups[key] = ([], [])
             group[0].append(x)
             group[1].append(slot)
-        with torch.no_grad():         # our own reduction: no autograd node
-            for xs, slots in groups.values():
+        for key, xs, indices, start in grouped:
+            slots = list(map(start.__add__, indices))
+            kept = with_values(list(zip(xs, slots)))
+            if len(kept) != len(xs):
+                xs, slots = [x for x, _ in kept], [slot for _, slot in kept]
+            group = groups.get(key)
+            if group is None:
+                groups[key] = (list(xs), slots)
+            else:
+                group[0].extend(xs)
+                group[1].extend(slots)
+        grad = _grad_enabled()
+        if grad:
+            _set_grad_enabled(False)  # our own reduction: no autograd node
+        try:
+            for xs, slots in groups.values():    # (one fused launch each on a GPU)
                 try:
                     norms = torch._foreach_norm(xs, math.inf, dtype=_F32)
                 except (RuntimeError, TypeError):   # an older torch: one reduction each
                     norms, slots = _one_by_one(xs, slots)
                 self._norms.extend(norms)
                 self._slots.extend(slots)
+        finally:
+            if grad:
+                _set_grad_enabled(True)
 
     def _empty(self):
         """Empty the ledger: (norms, their slots, judges)."""
         emptied = (self._norms, self._slots, self._judges)
         self._held, self._kept, self._held_bytes, self._kept_ids = [], [], 0, {}
+        self._grouped = []
         self._norms, self._slots, self._judges = [], [], []
         self.backwards = self.calls = 0
         self.sources, self.waiting = [], None
         return emptied
-
-    def take_nothing(self) -> None:
-        """Empty the ledger without a read (nothing held can be read now)."""
-        self._empty()
 
     def take(self):
         """The read: (values, judges, held), the ledger emptied. values is None when every
         tensor held was finite (one transfer), else slot -> float (one more); held keeps
         the tensors alive while the judges run."""
         items = self._held + self._kept
-        if items:
-            self._reduce(items)
+        grouped = self._grouped
+        if items or grouped:
+            self._reduce(items, grouped)
+            items.extend(grouped)     # (kept alive while the judges run)
         norms, slots, judges = self._empty()
         values = None
         if norms:
-            with torch.no_grad():
-                try:
-                    vector = torch.stack(norms)
-                    # the one sync (amax keeps a NaN; norms are never negative)
-                    if not math.isfinite(vector.amax().item()):
-                        values = vector.tolist()
-                except RuntimeError:  # several devices: one read each
-                    values = [float(n) for n in norms]
-                    if all(math.isfinite(v) for v in values):
-                        values = None
+            try:
+                # (the norms need no gradient: stack and amax make no autograd node)
+                vector = torch.stack(norms)
+                # the one sync (amax keeps a NaN; norms are never negative)
+                if not math.isfinite(vector.amax().item()):
+                    values = vector.tolist()
+            except RuntimeError:  # several devices: one read each
+                values = [float(n) for n in norms]
+                if all(math.isfinite(v) for v in values):
+                    values = None
         # a judge may come after the read of its tensors (held while its window was
         # still open): what was not finite waits one read for it
         late = self._late

@@ -19,16 +19,76 @@ from __future__ import annotations
 
 import threading
 from functools import partial
+from itertools import chain
+from operator import is_
 
 from torch import Tensor
 
 from ..core import frames as _frames
 from . import checks as _checks
-from .checks import _STRIDED, _caller, _counts, _is_cpu, pop_if_top, push
-from .step_ledger import cuda_graph_aside
+from .checks import _PLAIN, _STRIDED, _caller, _counts, _is_cpu, pop_if_top, push
+from .step_ledger import cuda_graph_aside, fused_key
 from .verdict import LIVE_GRAD
 
 _get_ident = threading.get_ident
+
+
+class StepTensors:
+    """`step_tensors` of one optimizer, with what it was found from: kept from one step
+    to the next while the optimizer's groups, parameters and state are the same objects
+    (checked with C loops, `same_as`), so that a step asks no tensor of its properties
+    again (a few hundred C calls a step on a transformer, what a launch-bound GPU step
+    pays in full)."""
+
+    __slots__ = ("entries", "tensors", "by_device", "groups", "lists", "lengths", "params",
+                 "keys", "states", "sizes", "key_states", "key_names", "values")
+
+    def __init__(self, optimizer, entries):
+        self.entries = entries
+        self.tensors = [x for x, _, _, _ in entries]
+        self.by_device = {}          # step_ledger.fused_key -> (tensors, their indices):
+                                     # the ledger's grouping, done once; None for a
+                                     # subclass (a DTensor's local values are looked up
+                                     # at each step: `StepLedger.hold`)
+        for i, x in enumerate(self.tensors):
+            if type(x) not in _PLAIN:
+                self.by_device = None
+                break
+            xs, indices = self.by_device.setdefault(fused_key(x), ([], []))
+            xs.append(x)
+            indices.append(i)
+        self.groups = list(getattr(optimizer, "param_groups", ()))
+        self.lists = [g.get("params", ()) for g in self.groups]
+        self.lengths = list(map(len, self.lists))
+        self.params = list(chain.from_iterable(self.lists))
+        state = getattr(optimizer, "state", {})
+        self.keys = list(state)
+        self.states = list(state.values())
+        self.sizes = list(map(len, self.states))
+        self.key_states, self.key_names = [], []
+        for st in self.states:
+            for key in st:
+                self.key_states.append(st)
+                self.key_names.append(key)
+        self.values = list(map(dict.get, self.key_states, self.key_names))
+
+    def same_as(self, optimizer) -> bool:
+        """Whether OPTIMIZER's groups, parameters and state values are still the objects
+        the entries were found from (a parameter added, a state tensor replaced or
+        created, `load_state_dict`: not)."""
+        groups = getattr(optimizer, "param_groups", ())
+        state = getattr(optimizer, "state", {})
+        if len(groups) != len(self.groups) or len(state) != len(self.keys) \
+                or not all(map(is_, groups, self.groups)):
+            return False
+        lists = [g.get("params", ()) for g in groups]
+        if not all(map(is_, lists, self.lists)) or list(map(len, lists)) != self.lengths \
+                or not all(map(is_, chain.from_iterable(lists), self.params)):
+            return False
+        states = list(state.values())
+        return all(map(is_, state, self.keys)) and all(map(is_, states, self.states)) \
+            and list(map(len, states)) == self.sizes \
+            and all(map(is_, map(dict.get, self.key_states, self.key_names), self.values))
 
 
 def step_tensors(optimizer) -> list:
@@ -161,12 +221,12 @@ class OptimizerStep:
         """After a step run without the per-op check: its parameters and state tensors,
         now on the CPU, at the next read on a device (in training: the next step's); a
         non-finite one is reported by the parameter's name at the `optimizer.step()` line."""
-        entries = step_tensors(optimizer)
+        known = self._known_step_tensors(optimizer)
+        entries, tensors = known.entries, known.tensors
         if not entries:
             return
         frame = _frames.user_frame(_caller(1))
         where = _frames.location(frame) if frame is not None else None
-        tensors = [x for x, _, _, _ in entries]
         later = not (_checks.HOST_READS and all(map(_is_cpu, tensors))) \
             and self._can_defer()
         # (judged later, the gradients may be gone: what the read before the step found
@@ -174,8 +234,19 @@ class OptimizerStep:
         if self._check(tensors, partial(self._judge_held_step, optimizer, entries,
                                         self._steps, where,
                                         self._step_grads if later else None),
-                       alive=True, defer=later) and later:
+                       alive=True, defer=later, grouped=known.by_device) and later:
             self._ledger.sources.append(tensors)  # (an op that writes them reads first)
+
+    def _known_step_tensors(self, optimizer) -> StepTensors:
+        """`step_tensors(optimizer)`, kept between steps while nothing changed."""
+        try:
+            known = self._step_tensors.get(optimizer)
+        except TypeError:                 # (an optimizer that cannot be a dict's key)
+            return StepTensors(optimizer, step_tensors(optimizer))
+        if known is None or not known.same_as(optimizer):
+            known = self._step_tensors[optimizer] = StepTensors(optimizer,
+                                                                step_tensors(optimizer))
+        return known
 
     def _judge_held_step(self, optimizer, entries, step, where, grads, bad):
         """A judge: the step left these non-finite; read now, or at a later read (then
@@ -198,7 +269,14 @@ class OptimizerStep:
             if not sum(c):
                 continue
             before = self._taint_of_storage(x)
+            if before is None and what != "value":
+                # a state written out of place (a new tensor each step) that the step
+                # before left non-finite too: carried on (no taint follows it there)
+                last = self._bad_state.get((id(p), what))
+                if last is not None and last[0] == self._steps - 1:
+                    before = (c[0] > 0, c[1] + c[2] > 0, last[1])
             if before is not None:
+                self._bad_state[(id(p), what)] = (self._steps, before[2])
                 # non-finite before the step already, and judged then: the step carried
                 # it on (an Inf in Adam's exp_avg_sq stays Inf), no new stop every step;
                 # judged again as it is now (the next op that writes it in place sees it)
@@ -229,5 +307,6 @@ class OptimizerStep:
         for (x, p, what, group, c), from_stop in zip(bad, lineage):
             # (from a gradient that descends from a reported stop: so does the step's)
             self._taint_add(x, c[0] > 0, c[1] + c[2] > 0, reported is not None or from_stop)
+            self._bad_state[(id(p), what)] = (self._steps, reported is not None or from_stop)
         if reported is not None:
             self._report(reported)

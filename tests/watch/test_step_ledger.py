@@ -129,3 +129,43 @@ def test_under_cuda_graph_capture_nothing_is_read_and_it_is_said_once(monkeypatc
         core.simulate_device(False)
     assert took == [] and got == []
     assert sum("CUDA graph" in str(w.message) for w in caught) == 1
+
+
+def test_tensors_with_gaps_or_overlaps_are_reduced_apart_from_the_dense_ones(monkeypatch):
+    """On a GPU `_foreach_norm` fuses its list into one launch only when every tensor in
+    it is dense; one slice or expanded gradient among a step's few hundred tensors would
+    make it reduce each of them with a launch of its own. So the ledger puts those few in
+    a list of their own, and still finds a NaN in either kind."""
+    lists = []
+    norm = torch._foreach_norm
+
+    def recording(xs, *args, **kwargs):
+        lists.append(list(xs))
+        return norm(xs, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_norm", recording)
+    dense = [torch.randn(3, 4), torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+             torch.randn(6, 8).t(), torch.randn(5)]
+    column = torch.randn(3, 1)
+    gapped = [torch.randn(6, 8)[:, ::2], column.expand(3, 4)]    # (12 values, 3 in memory)
+    for bad in (None, dense[0], gapped[0], gapped[1]):
+        lists.clear()
+        ledger = StepLedger()
+        if bad is not None:
+            with torch.no_grad():
+                (column if bad is gapped[1] else bad)[0, 0] = float("nan")
+        slots = ledger.hold(dense[:2] + gapped[:1]) + ledger.hold(dense[2:] + gapped[1:],
+                                                                  alive=True)
+        values, _, _ = ledger.take()
+        assert sorted(len(xs) for xs in lists) == [2, 4], lists
+        assert sorted(map(id, lists[0] + lists[1])) == sorted(map(id, dense + gapped))
+        assert {id(x) for x in dense} in ({id(x) for x in xs} for xs in lists)
+        if bad is None:
+            assert values is None
+        else:
+            i = [id(x) for x in dense[:2] + gapped[:1] + dense[2:] + gapped[1:]].index(
+                id(bad))
+            assert first_bad(values, slots[i:i + 1]) is not None
+            assert first_bad(values, slots[:i] + slots[i + 1:]) is None
+            with torch.no_grad():
+                (column if bad is gapped[1] else bad)[0, 0] = 0.0

@@ -11,6 +11,7 @@ path (what CI can run of it) and on CUDA where there is one.
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -132,6 +133,77 @@ def test_an_optimizer_state_that_overflows_at_a_later_step_names_its_step_and_li
     assert [(v.stage, v.torch_op, v.param, v.created, v.step, v.line) for v in got] == [
         ("optimizer", "Adam.step", "0.weight", True, BAD_STEP, lineno(train, "# step"))]
     assert "exp_avg_sq" in got[0].text
+
+
+class NewBufferEachStep(torch.optim.Optimizer):
+    """Momentum written out of place: each step puts a new tensor in its state (its
+    update clamped, so that only the state goes non-finite)."""
+
+    def __init__(self, params, lr=0.01):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state[p]
+                    state["buf"] = 0.9 * state.get("buf", torch.zeros_like(p)) + 10 * p.grad
+                    p.add_(state["buf"].clamp(-1, 1), alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("change", ["new state tensor", "load_state_dict", "added group"])
+def test_the_tensors_a_step_writes_are_found_again_when_the_optimizer_changes(device,
+                                                                          change):
+    """The watch keeps the list of what an optimizer's step writes from one step to the
+    next (update.StepTensors): a state tensor replaced, a state loaded, a parameter
+    group added are checked all the same. At BAD_STEP a finite gradient of 1e37 to 1e38
+    makes the optimizer's state infinite while the parameter stays finite, so only the
+    state's check can stop there."""
+    extra = nn.Linear(8, 4)                     # (in the optimizer from step 2 on)
+
+    def model_and_extra():
+        return nn.ModuleDict({"body": mlp(), "extra": extra})
+
+    class Both(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model_and_extra()
+
+        def forward(self, x):
+            return self.m["body"](x) + self.m["extra"](x)
+
+    opts = {"new state tensor": (NewBufferEachStep, {}),
+            "load_state_dict": (torch.optim.Adam, {"lr": 0.1}),
+            "added group": (NewBufferEachStep, {})}
+    opt_cls, kwargs = opts[change]
+    torch.manual_seed(0)
+    model = Both().to(device)
+    params = list(model.m["body"].parameters())
+    if change != "added group":
+        params += list(model.m["extra"].parameters())
+    opt = opt_cls(params, **kwargs)
+    x = torch.randn(16, 8, device=device)
+    got = []
+    with watch(on_violation=got.append):
+        for step in range(5):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            if step == 2 and change == "load_state_dict":
+                opt.load_state_dict(copy.deepcopy(opt.state_dict()))   # (new tensors)
+            if step == 2 and change == "added group":
+                opt.add_param_group({"params": list(model.m["extra"].parameters())})
+            if step == BAD_STEP:
+                with torch.no_grad():
+                    model.m["extra"].weight.grad.fill_(1e37 if change == "load_state_dict"
+                                                       else 1e38)
+            opt.step()  # step
+    assert [(v.stage, v.param, v.step, v.line) for v in got] == [
+        ("optimizer", "m.extra.weight", BAD_STEP,
+         lineno(test_the_tensors_a_step_writes_are_found_again_when_the_optimizer_changes,
+                "# step"))]
+    assert ("exp_avg_sq" if change == "load_state_dict" else "'buf'") in got[0].text
+    assert all(bool(p.isfinite().all()) for p in model.parameters())
 
 
 class RootWhen(nn.Module):
