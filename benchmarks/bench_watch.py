@@ -4,10 +4,11 @@
                                      [--batch-scale N] [--compile] [--launch-bound]
 
 One process; for each model the variants run interleaved, in a new (seeded) random order
-every repetition (plain, plain2 = plain again, the
-noise floor, a do-nothing dispatch mode, watch, watch exact, detect_anomaly, naive per-op
-isfinite), repetition after repetition, and the median step time of each is printed as a
-ratio to plain. A step is zero_grad + forward + backward + optimizer step.
+every repetition (plain, plain2 = plain again, the noise floor, a do-nothing dispatch
+mode, the watch's hooks doing nothing (its design's floor), watch, watch exact,
+detect_anomaly, naive per-op isfinite), repetition after repetition, and the median step
+time of each is printed as a ratio to plain. A step is zero_grad + forward + backward +
+optimizer step.
 Models: MLP 784-256-256-10 (batch 64, SGD), ResNet-18-like CNN (batch 16, 3x64x64, SGD
 with momentum), GPT-like transformer (6 layers, d=512, 8 heads, seq 128, batch 8, AdamW).
 Then, for each model, the counts that do not depend on the machine: the aten ops and
@@ -182,15 +183,73 @@ class Plain:
         return False
 
 
+class HooksFloor:
+    """Floor of the watch's design: hooks that do nothing where the watch acts on a
+    healthy step (a pre- and a post-hook on the model, a pre-hook on its output's
+    autograd node, `torch.autograd.backward` wrapped, the optimizer's step hooks) and a
+    do-nothing dispatch mode outside the model's call, backward and the step, put on and
+    off the stack as the watch's is. What the watch adds beyond it is its own work."""
+
+    def __init__(self, model):
+        self.model, self.handles, self.mode, self.off = model, [], EmptyMode(), []
+
+    def _pop(self):
+        n = torch._C._len_torch_dispatch_stack()
+        on = bool(n) and torch._C._get_dispatch_stack_at(n - 1) is self.mode
+        if on:
+            torch._C._pop_torch_dispatch_stack(None)
+        self.off.append(on)
+
+    def _push(self, *_):
+        if self.off.pop():
+            torch._C._push_on_torch_dispatch_stack(self.mode)
+
+    def _post(self, module, args, kwargs, out):
+        self._push()
+        if isinstance(out, torch.Tensor) and out.grad_fn is not None:
+            out.grad_fn.register_prehook(lambda grads: None)
+
+    def __enter__(self):
+        import torch.optim.optimizer as optimizer
+        backward = self.backward = torch.autograd.backward
+
+        def wrapped(*args, **kwargs):
+            self._pop()
+            try:
+                return backward(*args, **kwargs)
+            finally:
+                self._push()
+
+        torch.autograd.backward = wrapped
+        self.handles = [
+            self.model.register_forward_pre_hook(lambda m, a, k: self._pop(),
+                                                 with_kwargs=True, prepend=True),
+            self.model.register_forward_hook(self._post, with_kwargs=True, always_call=True),
+            optimizer.register_optimizer_step_pre_hook(lambda o, a, k: self._pop()),
+            optimizer.register_optimizer_step_post_hook(self._push)]
+        torch._C._push_on_torch_dispatch_stack(self.mode)
+        return self
+
+    def __exit__(self, *exc):
+        self._pop()
+        self.off.clear()
+        for handle in self.handles:
+            handle.remove()
+        torch.autograd.backward = self.backward
+        return False
+
+
 def variants():
+    """name -> make(model): a context manager around a step of MODEL."""
     return {
-        "plain": Plain,
-        "plain2": Plain,        # the same plain step again: the noise floor of the run
-        "empty_mode": EmptyMode,
-        "watch": lambda: mldebug.watch(action="raise"),
-        "watch_exact": lambda: mldebug.watch(action="raise", exact=True),
-        "detect_anomaly": lambda: torch.autograd.detect_anomaly(check_nan=True),
-        "naive_isfinite": NaiveIsfinite,
+        "plain": lambda model: Plain(),
+        "plain2": lambda model: Plain(),   # the same plain step again: the run's noise floor
+        "empty_mode": lambda model: EmptyMode(),
+        "hooks_floor": HooksFloor,   # the watch's hooks doing nothing: its design's floor
+        "watch": lambda model: mldebug.watch(action="raise"),
+        "watch_exact": lambda model: mldebug.watch(action="raise", exact=True),
+        "detect_anomaly": lambda model: torch.autograd.detect_anomaly(check_nan=True),
+        "naive_isfinite": lambda model: NaiveIsfinite(),
     }
 
 
@@ -214,7 +273,7 @@ def measure(name, device, reps, warmup=2, steps_per_rep=1, only=None, compiled=F
     times = {k: [] for k in vs}
     for k, make in vs.items():
         for _ in range(warmup):
-            with make():
+            with make(model):
                 step(model, loss_fn, opt)
     sync(device)
     order = random.Random(0)
@@ -223,7 +282,7 @@ def measure(name, device, reps, warmup=2, steps_per_rep=1, only=None, compiled=F
         # one measured ~7% slow here, which biased every ratio to it
         for k in order.sample(list(vs), len(vs)):
             make = vs[k]
-            with make():
+            with make(model):
                 # (a watch's first step learns its roots under the full watch: a cost
                 # once a run, not a healthy step's; every variant gets the same step)
                 step(model, loss_fn, opt)
@@ -296,7 +355,7 @@ def count_ops(name, device, simulate_device=False):
         model, loss_fn, opt = MODELS[name](device)
         core.simulate_device(simulate_device and k == "watch")
         try:
-            with variants()[k]():
+            with variants()[k](model):
                 ops, reads = count_step(lambda: step(model, loss_fn, opt))
                 calls = count_calls(lambda: step(model, loss_fn, opt), warmup=1)
                 moded = count_runs(lambda: step(model, loss_fn, opt),
@@ -330,7 +389,7 @@ def count_syncs(name, device):
         step(model, loss_fn, opt)
     result = {"ops": Count.n}
     for k in ("plain", "watch"):
-        with variants()[k]():
+        with variants()[k](model):
             step(model, loss_fn, opt)
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("warn")
@@ -349,8 +408,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (< ~1 min)")
     parser.add_argument("--models", default="mlp,cnn,gpt")
     parser.add_argument("--variants",
-                        default="plain,plain2,empty_mode,watch,watch_exact,detect_anomaly,"
-                                "naive_isfinite")
+                        default="plain,plain2,empty_mode,hooks_floor,watch,watch_exact,"
+                                "detect_anomaly,naive_isfinite")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads")
     parser.add_argument("--batch-scale", type=int, default=1,
