@@ -64,15 +64,19 @@ def values_address(x: torch.Tensor) -> int:
 
 def _in_storage(x: torch.Tensor) -> bool:
     """Whether X's storage still holds every value X addresses: a dense tensor's
-    `storage_offset + numel` values, or for one with gaps or overlaps (a slice, an
-    expanded tensor: more values than memory) the extent its strides reach."""
-    have = x.untyped_storage().nbytes()
-    if have >= (x.storage_offset() + x.numel()) * x.element_size():
-        return True
+    `storage_offset + numel` values, or `_strides_in_storage`."""
+    return x.untyped_storage().nbytes() >= (x.storage_offset() + x.numel()) \
+        * x.element_size() or _strides_in_storage(x)
+
+
+def _strides_in_storage(x: torch.Tensor) -> bool:
+    """For X with gaps or overlaps (a slice, an expanded tensor: more values than
+    memory), whether its storage holds the extent its strides reach."""
     if x.is_contiguous() or not x.numel():
         return False
     last = sum((size - 1) * stride for size, stride in zip(x.shape, x.stride()))
-    return have >= (x.storage_offset() + last + 1) * x.element_size()
+    return x.untyped_storage().nbytes() >= (x.storage_offset() + last + 1) \
+        * x.element_size()
 
 
 def with_values(items: list) -> list:
@@ -88,7 +92,8 @@ def with_values(items: list) -> list:
         except RuntimeError:
             continue
         if ptr and not x._is_zerotensor() and (x.untyped_storage().nbytes() >= (
-                x.storage_offset() + x.numel()) * x.element_size() or _in_storage(x)):
+                x.storage_offset() + x.numel()) * x.element_size()
+                or _strides_in_storage(x)):
             kept.append(item)
     return kept
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from functools import partial
 from itertools import chain
-from operator import is_
+from operator import is_, methodcaller
 
 from torch import Tensor
 
@@ -31,6 +31,7 @@ from .step_ledger import cuda_graph_aside, fused_key
 from .verdict import LIVE_GRAD
 
 _get_ident = threading.get_ident
+_values = methodcaller("values")
 
 
 class StepTensors:
@@ -40,8 +41,7 @@ class StepTensors:
     again (a few hundred C calls a step on a transformer, what a launch-bound GPU step
     pays in full)."""
 
-    __slots__ = ("entries", "tensors", "by_device", "groups", "lists", "lengths", "params",
-                 "keys", "states", "sizes", "key_states", "key_names", "values")
+    __slots__ = ("entries", "tensors", "by_device", "sizes", "objects")
 
     def __init__(self, optimizer, entries):
         self.entries = entries
@@ -57,38 +57,29 @@ class StepTensors:
             xs, indices = self.by_device.setdefault(fused_key(x), ([], []))
             xs.append(x)
             indices.append(i)
-        self.groups = list(getattr(optimizer, "param_groups", ()))
-        self.lists = [g.get("params", ()) for g in self.groups]
-        self.lengths = list(map(len, self.lists))
-        self.params = list(chain.from_iterable(self.lists))
-        state = getattr(optimizer, "state", {})
-        self.keys = list(state)
-        self.states = list(state.values())
-        self.sizes = list(map(len, self.states))
-        self.key_states, self.key_names = [], []
-        for st in self.states:
-            for key in st:
-                self.key_states.append(st)
-                self.key_names.append(key)
-        self.values = list(map(dict.get, self.key_states, self.key_names))
+        self.sizes, self.objects = _found_from(optimizer)
 
     def same_as(self, optimizer) -> bool:
         """Whether OPTIMIZER's groups, parameters and state values are still the objects
         the entries were found from (a parameter added, a state tensor replaced or
         created, `load_state_dict`: not)."""
-        groups = getattr(optimizer, "param_groups", ())
-        state = getattr(optimizer, "state", {})
-        if len(groups) != len(self.groups) or len(state) != len(self.keys) \
-                or not all(map(is_, groups, self.groups)):
-            return False
-        lists = [g.get("params", ()) for g in groups]
-        if not all(map(is_, lists, self.lists)) or list(map(len, lists)) != self.lengths \
-                or not all(map(is_, chain.from_iterable(lists), self.params)):
-            return False
-        states = list(state.values())
-        return all(map(is_, state, self.keys)) and all(map(is_, states, self.states)) \
-            and list(map(len, states)) == self.sizes \
-            and all(map(is_, map(dict.get, self.key_states, self.key_names), self.values))
+        sizes, objects = _found_from(optimizer)
+        return sizes == self.sizes and all(map(is_, objects, self.objects))
+
+
+def _found_from(optimizer):
+    """What `step_tensors(optimizer)` reads: (the sizes of its lists and dicts, the
+    objects in them: param groups, parameter lists, parameters, state keys, state dicts,
+    state values), built with C loops. Sizes compare by value, objects by identity (a
+    tensor's `==` is elementwise)."""
+    groups = list(getattr(optimizer, "param_groups", ()))
+    lists = [g.get("params", ()) for g in groups]
+    state = getattr(optimizer, "state", {})
+    states = list(state.values())
+    sizes = [len(groups), len(state), *map(len, lists), *map(len, states)]
+    objects = groups + lists + list(chain.from_iterable(lists)) + list(state) + states
+    objects.extend(chain.from_iterable(map(_values, states)))
+    return sizes, objects
 
 
 def step_tensors(optimizer) -> list:
