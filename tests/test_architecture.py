@@ -18,6 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mldebug"
 LAYERS = [
     ("mldebug.core", 0),          # records, break-on, session, frames, replay, quiet, errors
     ("mldebug.summaries", 1),     # a tensor at a glance, norms, slices
+    ("mldebug.remedies", 1),      # what a stop most likely comes from and its usual fix
     ("mldebug.watch", 2),         # the engines: NaN/Inf sentinel, graph capture
     ("mldebug.graph", 2),
     ("mldebug.assertions", 3),    # ... and those built on the graph's events

@@ -62,10 +62,10 @@ class Violation:
     # exception that ended the program there (watch/before_exception.py)
     then: str = ""
     # the cause in words and its usual fix ('<cause>; fix at file:line: <remedy>'), from
-    # the catalogue of causes (watch/hints.py); `cause` names the rule, '' when none
+    # the catalogue of causes (remedies/hints.py); `cause` names the rule, '' when none
     hint: str = ""
     cause: str = ""
-    # what the hint read that the fields above do not hold (watch/evidence.py)
+    # what the hint read that the fields above do not hold (remedies/evidence.py)
     evidence: Optional[dict] = None
 
     @property

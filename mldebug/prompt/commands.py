@@ -294,7 +294,7 @@ class MLCommandSet:
         self.message(history.format(module))
 
 
-# what `why` says of each piece of a stop's evidence (watch/evidence.py names them)
+# what `why` says of each piece of a stop's evidence (remedies/evidence.py names them)
 _EVIDENCE_WORDS = {
     "masked_rows": lambda e: f"{e.get('count')} of {e.get('of')} rows of {e.get('input')} "
                              f"are all -inf (first {e.get('first')})"

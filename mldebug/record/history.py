@@ -36,7 +36,7 @@ from ..core.quiet import own_work
 from ..core.ranks import rank_tag, this_rank
 from ..graph import active_capture, last_graph
 from ..summaries.norms import l2_norms
-from ..watch import hints as _hints
+from ..remedies import hints as _hints
 from .recorder import active_recorder
 
 _CUDA_GRAPH_NOTE = ("the step history does not count the steps captured into it (they run "
@@ -246,7 +246,7 @@ class History:
         return vals[-1] / vals[0] if vals[0] > 0 else (math.inf if vals[-1] > 0 else 0.0)
 
     def growth_before(self, stop) -> Optional[dict]:
-        """For a stop's hint (watch/hints.py): the parameter under the stop's module (the
+        """For a stop's hint (remedies/hints.py): the parameter under the stop's module (the
         whole model when it names none) whose norm grew most over the recorded steps,
         {"param", "growth", "grad_growth", "steps": [first, last]}; None with fewer than
         3 recorded steps."""

@@ -23,8 +23,8 @@ from ..core import frames as _frames
 from ..core.errors import NonFiniteError
 from ..core.records import Violation
 from ..core.session import current
+from ..remedies import hints as _hints
 from . import data_origin as _data_origin
-from . import hints as _hints
 from .amp import SCALER_OPS, stays_unscaled
 from .checks import (_ALLOWED, METADATA_KEY, _caller, _counts, _floating, _isfinite,
                      _summary, push, torch_formula)

@@ -363,7 +363,7 @@ def test_nan_stop_banner_then_step_over_and_continue_drive_the_prompt(browser, t
         assert re.search(r"Stop: \d+ NaN from aten\.log", text)
         assert "reason nan" in text and "op aten.log.default" in text
         assert "at prog.py:5" in text and "stage forward" in text
-        assert "Hint: log of 24 values outside its domain x > 0" in text   # (watch/hints.py)
+        assert "Hint: log of 24 values outside its domain x > 0" in text   # (remedies/hints.py)
         page.get_by_role("button", name="Step over").click()
         wait_text(page, r"paused at the mldebug prompt at prog\.py:6")
         page.get_by_role("button", name="Continue").click()

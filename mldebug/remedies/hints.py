@@ -19,7 +19,7 @@ violation: it sets `v.cause` (the rule's name), `v.hint` ('<cause>; fix at file:
 JSON report, the browser view and the VS Code panel all show `v.hint`.
 
 Each cause has a program that makes it and the same program with the remedy applied,
-which runs clean under mldebug: tests/programs_hints/, tests/watch/test_hints.py.
+which runs clean under mldebug: tests/programs_hints/, tests/remedies/test_hints.py.
 """
 from __future__ import annotations
 

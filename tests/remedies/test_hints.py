@@ -1,4 +1,4 @@
-"""The catalogue of NaN/Inf causes (mldebug/watch/hints.py), proven on programs.
+"""The catalogue of NaN/Inf causes (mldebug/remedies/hints.py), proven on programs.
 
 Each program of tests/programs_hints/ makes one cause's NaN/Inf: under
 `python -m mldebug --batch --report` its stop's `hint` names the cause and the usual fix
@@ -246,7 +246,7 @@ def test_under_lightning_a_backward_assertion_names_the_training_steps_loss_line
 
 
 def test_the_docs_list_every_cause_of_the_catalogue_and_each_has_a_program():
-    from mldebug.watch.hints import RULES
+    from mldebug.remedies.hints import RULES
     names = [r.name for r in RULES]
     assert len(names) == len(set(names))
     text = (DOCS / "watch.md").read_text()
