@@ -141,7 +141,7 @@ class DeviceWindow:
                     refs.append(ref)
                     try:
                         storage = a.untyped_storage()
-                        memory.append((ref, storage.data_ptr(), _ref(storage)))
+                        memory.append((ref, storage.data_ptr(), _ref(storage), a._version))
                     except Exception:        # noqa: BLE001 - no storage: nothing to tell
                         pass
                 else:
@@ -214,7 +214,8 @@ class DeviceWindow:
     def _judge_flagged_ops(self, win, values):
         n0 = len(self.violations)
         made: dict = {}   # memory address -> (the non-finite value, or None, of the last
-                          # op of this window that wrote there; a stop came before it)
+                          # op of this window that wrote there; a stop came before it;
+                          # the Mark of a value written on purpose, or None)
         for (slots, func, info, wargs, wkwargs, wouts, entry, prior, dtype, safe, memory,
              written) in win:
             value = first_bad(values, slots)
@@ -225,10 +226,16 @@ class DeviceWindow:
                 # it came in)
                 for address, _, _, whole in written:
                     if whole or value is not None:
-                        made[address] = (value, len(self.violations) > n0)
+                        made[address] = (value, len(self.violations) > n0, None)
                 continue
             args = _live(wargs)
             kwargs = _live(wkwargs) if wkwargs else {}
+            # an argument written since the op ran (`x.copy_(torch.full_like(x, nan))`)
+            # does not hold what the op read: judged as one that is gone
+            since = {id(t) for ref, _, _, version in memory
+                     if (t := ref()) is not None and t._version != version}
+            if since:
+                args, kwargs = _without(args, since), _without(kwargs, since)
             outs = _live(wouts)
             note = ""
             live = [t for t, _ in self._flatten_outputs(outs) if t is not None]
@@ -246,23 +253,26 @@ class DeviceWindow:
                 dtype = None
             freed = _freed_inputs(made, memory, prior, self._taint_at, self._mark_at)
             self._slow(func, info, args, kwargs, outs, entry, note, freed, dtype)
+            mark = None
             if note:
                 # judged by its norm: what was judged of it is of the op's memory too (a
                 # factory's output reaches the program as another Python object)
-                self._judged_memory(outs[0], written)
+                mark = self._judged_memory(outs[0], written)
             for address, _, _, _ in written:
-                made[address] = (value, len(self.violations) > n0)
+                made[address] = (value, len(self.violations) > n0,
+                                 mark or self._mark_at(address))
 
     def _judged_memory(self, norm, written):
         """The taint (and mark) just judged of NORM, the stand-in of an op's output that
-        is gone, given to the memory the output was in (WRITTEN), where it lives on."""
+        is gone, given to the memory the output was in (WRITTEN), where it lives on.
+        Returns the Mark judged of it (a NaN/Inf written on purpose), or None."""
         try:
             ptr = norm.untyped_storage().data_ptr()
         except Exception:                    # noqa: BLE001
-            return
+            return None
         rec = self._taint.get(ptr)
         if rec is None:
-            return
+            return None
         mark = self._marks.get(ptr) if self._marks else None
         for address, storage_ref, version, _ in written:
             if storage_ref() is None:
@@ -272,6 +282,7 @@ class DeviceWindow:
                 self._marks[address] = (storage_ref, version, mark[2])
                 if rec[2]:
                     self._nan_marks[address] = storage_ref
+        return mark[2] if mark is not None else None
 
 
 def _writes_nonfinite(args, kwargs) -> bool:
@@ -287,8 +298,9 @@ def _freed_inputs(made, memory, prior, taint_at, mark_at):
     descends from a stop, the Mark of a value written on purpose or None), or None when
     none held a NaN/Inf (or none is gone).
 
-    MEMORY: (weak reference, memory address, weak reference to the storage) of each
-    argument, from the op. One gone is known by the check of the last earlier op of the
+    MEMORY: (weak reference, memory address, weak reference to the storage, version
+    counter) of each argument, from the op; one written since (its version moved on) is
+    taken for gone, its values now not those the op read. One gone is known by the check of the last earlier op of the
     window that wrote its memory (a temporary between two ops of the window), or by its
     judgement before the op ran (PRIOR: the taint of the op's arguments then), or, while
     its memory lives on (a view of a parameter), by what was judged of that memory since
@@ -297,9 +309,10 @@ def _freed_inputs(made, memory, prior, taint_at, mark_at):
     and was finite: a NaN/Inf there was judged where it was made, or is new here."""
     nan = inf = lineage = dead = False
     mark = None
-    for ref, address, storage_ref in memory:
-        if ref() is not None:
-            continue                  # (alive: the judge reads it)
+    for ref, address, storage_ref, version in memory:
+        t = ref()
+        if t is not None and t._version == version:
+            continue                  # (alive and as the op left it: the judge reads it)
         dead = True
         found = made.get(address)
         if found is None:
@@ -313,7 +326,7 @@ def _freed_inputs(made, memory, prior, taint_at, mark_at):
             value = found[0]
             nan, inf = nan or value != value, inf or value == value
             lineage = lineage or found[1]
-            mark = mark or mark_at(address)
+            mark = mark or found[2] or mark_at(address)
     if dead and prior:
         nan, inf = nan or any(p[0] for p in prior), inf or any(p[1] for p in prior)
         lineage = lineage or any(p[2] for p in prior)
@@ -322,12 +335,12 @@ def _freed_inputs(made, memory, prior, taint_at, mark_at):
 
 
 def _memory_of(value, found) -> list:
-    """(weak reference, memory address, weak reference to its storage) of the tensors
-    in VALUE (lists, tuples, dicts), appended to FOUND."""
+    """(weak reference, memory address, weak reference to its storage, version counter)
+    of the tensors in VALUE (lists, tuples, dicts), appended to FOUND."""
     if isinstance(value, Tensor):
         try:
             storage = value.untyped_storage()
-            found.append((_ref(value), storage.data_ptr(), _ref(storage)))
+            found.append((_ref(value), storage.data_ptr(), _ref(storage), value._version))
         except Exception:                    # noqa: BLE001 - no storage: nothing to tell
             pass
     elif isinstance(value, (list, tuple)):
@@ -352,6 +365,18 @@ def _weak(value):
         return value
     if isinstance(value, dict):
         return {k: _weak(v) for k, v in value.items()}
+    return value
+
+
+def _without(value, gone):
+    """VALUE (tensors, also inside lists, tuples and dicts) with the tensors whose id is
+    in GONE replaced by None."""
+    if isinstance(value, Tensor):
+        return None if id(value) in gone else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_without(x, gone) for x in value)
+    if isinstance(value, dict):
+        return {k: _without(v, gone) for k, v in value.items()}
     return value
 
 

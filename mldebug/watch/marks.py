@@ -45,9 +45,8 @@ from torch import Tensor
 from ..core import frames as _frames
 from ..core.records import Violation
 from ..core.structs import tensors_in
-from .checks import _ALLOWED, _caller, _checkable, _counts, _isfinite, _summary
+from .checks import _caller, _checkable, _counts, _isfinite, _summary
 from .native_check import nonfinite as _native_nonfinite
-from .ops import matches
 from .roots import call_kwargs
 
 # names whose attribute `nan`/`inf` is a constant in a literal (`math.inf`, `np.nan`)
@@ -159,12 +158,13 @@ class WrittenMarks:
         return out
 
     # -- where a mark must not go ------------------------------------------------------
-    def _check_call_marks(self, module, args, kwargs=None, site=None) -> None:
+    def _check_call_marks(self, module, args, kwargs=None, site=None, backwards=None) -> None:
         """An outermost module call: a NaN written on purpose among its arguments is a
         stop. Called as it starts (its pre-hook), and on a device where the read that
         judges what its arguments hold comes later, from that read (step.py).
         KWARGS None: the call's, read from the frame of the hook. SITE: (file, line,
-        function) of the call, when it is not the running user frame's."""
+        function) of the call, when it is not the running user frame's. BACKWARDS: the
+        step's backwards when the call ran, when not now (its micro-batch)."""
         if not self._nan_marks:
             return
         if kwargs is None:
@@ -172,21 +172,20 @@ class WrittenMarks:
         if site is None:
             site = _frames.user_location(_caller(2))
         what = f"the model call {type(module).__name__} at {_short(site)}"
-        self._marks_reach(tensors_in((args, kwargs)), what, nan_only=True)
+        self._marks_reach(tensors_in((args, kwargs)), what, True, backwards)
 
-    def _check_loss_marks(self, roots, site=None) -> None:
+    def _check_loss_marks(self, roots, site, backwards=None) -> None:
         """`backward()` starts from ROOTS: a NaN/Inf written on purpose in one is a stop.
-        Called as backward starts, and on a device from the backward's judge at the read."""
+        Called as backward starts, and on a device from the backward's judge at the read
+        (BACKWARDS: the step's backwards before it, its micro-batch)."""
         if not self._marks:
             return
-        if site is None:
-            site = _frames.user_location(_caller(2))
         what = f"the loss, whose backward starts at {_short(site)}" if site[0] else "the loss"
-        self._marks_reach(roots, what, nan_only=False)
+        self._marks_reach(roots, what, False, backwards)
 
-    def _marks_reach(self, tensors, what, nan_only) -> bool:
+    def _marks_reach(self, tensors, what, nan_only, backwards) -> bool:
         """A stop if one of TENSORS holds a value written on purpose (a NaN, with
-        NAN_ONLY); True when one was reported."""
+        NAN_ONLY); True when one was reported. BACKWARDS: as `_micro_by_op`'s."""
         for t in tensors:
             if not isinstance(t, Tensor) or not t.is_floating_point():
                 continue
@@ -197,31 +196,28 @@ class WrittenMarks:
                 counts = _counts(t)
             if nan_only and not counts[0]:
                 continue
-            if sum(counts) and self._report_mark(mark, what, t, counts):
+            if sum(counts) and self._report_mark(mark, what, t, counts, backwards):
                 return True
         if nan_only and self._nan_marks:   # (none reached: drop those whose memory is gone)
             self._nan_marks = {k: r for k, r in self._nan_marks.items() if r() is not None}
         return False
 
-    def _report_mark(self, mark, what, value, counts, stage="forward", module="",
-                     module_type="", param="") -> bool:
-        """MARK's value reached WHAT: a stop at the line that wrote it (the pause stays in
-        the frame running now). The value is then known as a stop's: what flows on from
-        it is no new stop."""
+    def _report_mark(self, mark, what, value, counts, backwards) -> bool:
+        """MARK's value reached WHAT (a model call, the loss: forward): a stop at the line
+        that wrote it (the pause stays in the frame running now). The value is then known
+        as a stop's: what flows on from it is no new stop."""
         kind = "nan" if counts[0] else "inf"
         if kind not in self.break_on and "inf-all" not in self.break_on:
             return False
-        patterns = tuple(_ALLOWED) + self.allow
-        if patterns and module and matches(patterns, (module,)):
-            return False
         self._taint_add(value, counts[0] > 0, counts[1] + counts[2] > 0, True)
-        v = self._mark_violation(mark, what, value, counts, stage, module, module_type,
-                                 param, frame=_frames.user_frame(_caller(2)))
+        v = self._mark_violation(mark, what, value, counts, "forward",
+                                 frame=_frames.user_frame(_caller(2)), backwards=backwards)
         self._report(v)
         return True
 
     def _mark_violation(self, mark, what, value, counts, stage, module="", module_type="",
-                        param="", frame=None, op="", torch_op="", node="", inputs=()):
+                        param="", frame=None, op="", torch_op="", node="", inputs=(),
+                        backwards=None):
         kind = "nan" if counts[0] else "inf"
         noun = "NaN" if kind == "nan" else "Inf"
         mark.stop_made()       # (what flows from it from now on descends from this stop)
@@ -234,7 +230,7 @@ class WrittenMarks:
             created=False, culprit=f"a {noun} written on purpose at {mark.where()}",
             output=output, inputs=list(inputs), param=param, node=node,
             step=self._steps if self._opt_seen else None, reached=what,
-            micro_batch=self._micro_by_op(stage),
+            micro_batch=self._micro_by_op(stage, backwards),
             text=(f"the {noun} written on purpose at {mark.where()} (a non-finite constant "
                   f"the program wrote) reaches {what}; a constant written as a marker or "
                   "a mask must be cleaned (torch.nan_to_num, torch.where) or masked out "

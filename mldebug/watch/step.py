@@ -272,7 +272,7 @@ class HealthyStep:
         wrote before it (a device's constant written on purpose: marks.py)."""
         module = call.info.module
         if self._nan_marks and module is not None and not call.stopped:
-            self._check_call_marks(module, call.args, call.kwargs, call.site)
+            self._check_call_marks(module, call.args, call.kwargs, call.site, call.micro - 1)
 
     def _judge_outputs(self, call, bad):
         """A root's output is not finite: re-run the call under the full watch."""
@@ -312,19 +312,23 @@ class HealthyStep:
         if self._constant_unread:
             if self._win:
                 self._window_to_ledger()
-            self._ledger.then(partial(self._loss_marks_at_read, roots, site), always=True)
+            self._ledger.then(partial(self._loss_marks_at_read, roots, site, self._micro),
+                              always=True)
 
-    def _loss_marks_at_read(self, roots, site, values):
-        """A judge of the ledger: the loss, once the read judged what was written."""
+    def _loss_marks_at_read(self, roots, site, backwards, values):
+        """A judge of the ledger: the loss, once the read judged what was written
+        (BACKWARDS: the step's backwards before this one)."""
         if self._marks:
-            self._check_loss_marks(roots, site)
+            self._check_loss_marks(roots, site, backwards)
 
     def _checked_backward(self, proceed, roots, tensors, grad_tensors, args, kwargs):
         calls = self._calls
         mine = not (self._skip or self._in_backward or self._rerunning) \
             and _get_ident() == self._owner
-        if mine and self.exact:
-            self._micro += 1          # (its stops name the micro-batch: _micro_by_op)
+        if mine and (self.exact or not calls):
+            # (op by op: exact, or the roots being learned; its stops name the
+            # micro-batch, and the step's read learns there is accumulation)
+            self._micro += 1
         if not mine or self.exact or not calls:
             return proceed(tensors, grad_tensors, *args, **kwargs)   # (op by op)
         opts = dict(zip(("retain_graph", "create_graph", "grad_variables", "inputs"), args))
@@ -460,6 +464,8 @@ class HealthyStep:
             # region's overflow): what descends from it, not a new stop
             for _, g, c in bad_grads:
                 self._taint_add(g, c[0] > 0, c[1] + c[2] > 0, after_stop)
+            # (and so what the next micro-batch's backward adds to them, until zero_grad)
+            self._judged_grads.update({id(p): p for p, _, _ in bad_grads})
             return
         new = [b for b in bad_grads if id(b[0]) not in self._judged_grads]
         self._judged_grads.update({id(p): p for p, _, _ in bad_grads})

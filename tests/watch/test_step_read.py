@@ -243,19 +243,22 @@ def test_accumulated_backwards_are_read_before_the_next_and_pinned(device, bad_m
     assert f"[backward, step {BAD_STEP}, micro-batch {bad_micro + 1}]" in got[0].headline()
 
 
+@pytest.mark.parametrize("bad_step", [1, BAD_STEP])
 @pytest.mark.parametrize("bad_micro", [0, 1])
 @pytest.mark.parametrize("stage", ["forward", "backward"])
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "roots"])
-def test_a_stop_at_the_op_names_the_micro_batch(device, exact, stage, bad_micro):
+def test_a_stop_at_the_op_names_the_micro_batch(device, exact, stage, bad_micro, bad_step):
     """A stop made at the op itself (`exact=True`; the data handling's per-op check)
     names the micro-batch under gradient accumulation as a re-run's stop does; a NaN
-    made before a model call belongs to the next backward's micro-batch."""
+    made before a model call belongs to the next backward's micro-batch. At step 1 the
+    accumulation is known from step 0, whose backwards ran op by op (the roots were
+    being learned)."""
     model, opt, x = setup(device, RootWhen())
     got = []
     with watch(on_violation=got.append, exact=exact):
         for step in range(5):
             for micro in range(2):
-                bad = (step, micro) == (BAD_STEP, bad_micro)
+                bad = (step, micro) == (bad_step, bad_micro)
                 if stage == "forward" and bad:
                     x_in = torch.log(x - 100.0)   # NaN made by the data handling
                 else:
@@ -263,9 +266,11 @@ def test_a_stop_at_the_op_names_the_micro_batch(device, exact, stage, bad_micro)
                 model(x_in, bad=bad and stage == "backward").pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
-    assert [(v.stage, v.step, v.micro_batch) for v in got[:1]] == [
-        (stage, BAD_STEP, bad_micro + 1)]
-    assert f"[{stage}, step {BAD_STEP}, micro-batch {bad_micro + 1}]" in got[0].headline()
+    # (one stop: what the first micro-batch's NaN adds to the second's gradients
+    # descends from it)
+    assert [(v.stage, v.step, v.micro_batch) for v in got] == [
+        (stage, bad_step, bad_micro + 1)]
+    assert f"[{stage}, step {bad_step}, micro-batch {bad_micro + 1}]" in got[0].headline()
 
 
 def test_an_eval_forward_between_steps_is_read_at_its_end(device):

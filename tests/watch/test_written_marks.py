@@ -78,20 +78,50 @@ def test_every_way_of_writing_a_constant_is_judged_alike(device, exact):
     assert stops(program, exact) == []
 
 
-def test_a_nan_marker_that_reaches_the_model_is_a_stop_naming_its_line(device, exact):
+@pytest.mark.parametrize("how", ["index_put", "copied_in"])
+def test_a_nan_marker_that_reaches_the_model_is_a_stop_naming_its_line(device, exact, how):
     def program():
         torch.manual_seed(0)
         x = torch.randn(32, 6)
-        x[x > 1.0] = float("nan")                        # written
+        if how == "index_put":
+            x[x > 1.0] = float("nan")                    # written: index_put
+        else:
+            # (on a device the read judges full_like after copy_ wrote x: what it read
+            # of x is the x before that write, not the NaN now there)
+            x.copy_(torch.full_like(x, float("nan")))    # written: copied_in
         train(x)                                          # forgot to clean it
 
     got = stops(program, exact)
     assert len(got) == 1                   # (what flows from it after is not a new stop)
     v = got[0]
     assert (v.kind, v.stage, v.created) == ("nan", "forward", False)
-    assert v.line == line_of(program, "# written") and v.function == "program"
+    assert v.line == line_of(program, f"# written: {how}") and v.function == "program"
     assert v.reached.startswith("the model call Sequential at test_written_marks.py:")
     assert "written there on purpose, it reaches the model call Sequential" in v.headline()
+    assert v.micro_batch is None           # (one backward a step: no micro-batch to name)
+
+
+@pytest.mark.parametrize("at", [0, 1])
+def test_a_marker_names_its_micro_batch(device, exact, at):
+    """Gradient accumulation, a marker reaching the model in micro-batch AT + 1 of step
+    1: one stop, naming it (on a device the model call's arguments are judged at the
+    step's read, after both backwards)."""
+    def program():
+        torch.manual_seed(0)
+        model = nn.Linear(6, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for step in range(2):
+            for micro in range(2):
+                x = torch.randn(8, 6)
+                if step == 1 and micro == at:
+                    x[0, 0] = float("nan")               # written
+                model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    got = stops(program, exact)
+    assert [(v.line, v.step, v.micro_batch) for v in got] == [
+        (line_of(program, "# written"), 1, at + 1)]
 
 
 def test_a_literal_that_reaches_the_loss_is_a_stop_naming_the_literal(device, exact):
@@ -104,6 +134,7 @@ def test_a_literal_that_reaches_the_loss_is_a_stop_naming_the_literal(device, ex
     got = stops(program, exact)
     assert [(v.kind, v.line) for v in got][:1] == [("nan", line_of(program, "# literal"))]
     assert got[0].reached.startswith("the loss")
+    assert got[0].micro_batch is None
 
 
 def test_a_nan_written_into_a_gradient_is_a_stop_at_the_step(exact):
