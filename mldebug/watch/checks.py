@@ -153,32 +153,17 @@ def mode_on_top(mode) -> bool:
 
 
 def pop_if_top(mode) -> bool:
-    """Take MODE off the dispatch stack when it is on top; whether it was."""
-    if mode is not None and mode_on_top(mode):
-        _pop_mode(None)
-        return True
+    """Take MODE off the dispatch stack when it is on top; whether it was. (Runs at
+    every root call, backward and step: mode_on_top's test written out, no call.)"""
+    if mode is not None:
+        n = _stack_len()
+        if n and _stack_at(n - 1) is mode:
+            _pop_mode(None)
+            return True
     return False
 
 
-def push(mode) -> None:
-    _push_mode(mode)
-
-
-class mode_off:
-    """The per-op mode off the stack for a block (mldebug's own ops): cheaper than
-    suspending it, which still costs a Python call per op."""
-
-    __slots__ = ("mode", "popped")
-
-    def __init__(self, mode):
-        self.mode = mode
-
-    def __enter__(self):
-        self.popped = pop_if_top(self.mode)
-
-    def __exit__(self, *exc):
-        if self.popped:
-            _push_mode(self.mode)
+push = _push_mode    # (put back what pop_if_top took off: torch's own call, no wrapper)
 
 
 class mode_on:

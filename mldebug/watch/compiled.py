@@ -114,7 +114,7 @@ class CompiledBoundary:
             came_in = any(not bool(torch.isfinite(t).all()) for t in ins)
             output = _summary(bad)
         kind = "nan" if counts[0] else "inf"
-        if kind not in self.break_on and not (kind == "inf" and "inf-all" in self.break_on):
+        if kind not in self.break_on:
             return
         name = getattr(fn, "__name__", "") or "function"
         frame = _frames.user_frame(_caller(1))

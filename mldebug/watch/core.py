@@ -150,11 +150,10 @@ class Watch(PerOpCheck, Verdict, Taint, DeviceWindow, DeviceReads, Roots, Health
         self._skip = True           # read on every op: closed, suspended or in a child
         self._suspend = 0
         self._owner = None          # the thread that started it
-        self._pid = None
         self._mode = None           # the per-op check (dispatch._Mode)
         self._handles: list = []    # optimizer hooks
         self._module_handles: list = []   # global module hooks, while installed
-        self._global_hooks = False  # ... (learning, re-runs, exact, compiled roots)
+                                          # (learning, re-runs, exact, compiled roots)
         self._root_hooks: list = []       # the roots' own hooks
         # -- the per-op check (dispatch.py, device_window.py)
         self._infos = _OP_INFOS     # shared: an OpInfo depends on the overload only
@@ -230,7 +229,6 @@ class Watch(PerOpCheck, Verdict, Taint, DeviceWindow, DeviceReads, Roots, Health
         if _ACTIVE is not None and _ACTIVE is not self:
             raise UsageError("a watch is already running; close it before starting another")
         self._owner = _get_ident()
-        self._pid = os.getpid()
         self._learning, self._learned = not self.exact, False
         if not _DYNAMO_MARKED:
             _skip_dynamo((_Mode, Watch, PerOpCheck, Verdict, DeviceWindow, Roots, HealthyStep,
@@ -269,13 +267,11 @@ class Watch(PerOpCheck, Verdict, Taint, DeviceWindow, DeviceReads, Roots, Health
             post = _module_hooks.register_module_forward_hook(self._module_post)
         self._module_handles = [
             _module_hooks.register_module_forward_pre_hook(self._module_pre), post]
-        self._global_hooks = True
 
     def _remove_module_hooks(self) -> None:
         for handle in self._module_handles:
             handle.remove()
         self._module_handles = []
-        self._global_hooks = False
 
     def close(self, _flush: bool = True) -> None:
         """Stop watching and remove every mode and hook (idempotent)."""
@@ -382,8 +378,7 @@ class Watch(PerOpCheck, Verdict, Taint, DeviceWindow, DeviceReads, Roots, Health
         return _OwnOps(self)
 
     def _update_skip(self):
-        self._skip = (not self._started) or self._suspend > 0 or _IN_CHILD or (
-            self._pid is not None and os.getpid() != self._pid)
+        self._skip = (not self._started) or self._suspend > 0 or _IN_CHILD
 
     # -- the global module hooks: the full watch's module stack, learning the roots --
     def _module_pre(self, module, args):

@@ -193,7 +193,8 @@ class DeviceWindow:
         step's read (step_ledger.py)."""
         if self._win:
             self._window_to_ledger()
-            self._read_or_defer(None)
+            if not (self._can_defer() and self._ledger.holds_tensors()):
+                self._read_ledger()
 
     def _window_to_ledger(self):
         win, self._win = self._win, []
@@ -203,13 +204,8 @@ class DeviceWindow:
         """A judge of the ledger: the window's flagged ops, in order, judged as the
         per-op check would have. Runs from hooks, where the mode may be active:
         suspended, so that its own ops are not watched."""
-        self._suspend += 1
-        self._update_skip()
-        try:
+        with self.suspended():
             self._judge_flagged_ops(win, values)
-        finally:
-            self._suspend -= 1
-            self._update_skip()
 
     def _judge_flagged_ops(self, win, values):
         n0 = len(self.violations)
@@ -231,9 +227,13 @@ class DeviceWindow:
             args = _live(wargs)
             kwargs = _live(wkwargs) if wkwargs else {}
             # an argument written since the op ran (`x.copy_(torch.full_like(x, nan))`)
-            # does not hold what the op read: judged as one that is gone
+            # does not hold what the op read: judged as one that is gone. (One the op
+            # wrote itself, its version moved on by the op: the verdict judges it by what
+            # was judged of it before, as on the host.)
+            own = _written_by(info, args, kwargs) if info.mutated else ()
             since = {id(t) for ref, _, _, version in memory
-                     if (t := ref()) is not None and t._version != version}
+                     if (t := ref()) is not None and t._version != version
+                     and id(t) not in own}
             if since:
                 args, kwargs = _without(args, since), _without(kwargs, since)
             outs = _live(wouts)
@@ -251,7 +251,7 @@ class DeviceWindow:
                         "by its norm")
             else:
                 dtype = None
-            freed = _freed_inputs(made, memory, prior, self._taint_at, self._mark_at)
+            freed = _freed_inputs(made, memory, prior, self._taint_at, self._mark_at, own)
             self._slow(func, info, args, kwargs, outs, entry, note, freed, dtype)
             mark = None
             if note:
@@ -293,14 +293,15 @@ def _writes_nonfinite(args, kwargs) -> bool:
     return False
 
 
-def _freed_inputs(made, memory, prior, taint_at, mark_at):
+def _freed_inputs(made, memory, prior, taint_at, mark_at, own=()):
     """What the op's tensor arguments that are gone since held: (has NaN, has Inf,
     descends from a stop, the Mark of a value written on purpose or None), or None when
     none held a NaN/Inf (or none is gone).
 
     MEMORY: (weak reference, memory address, weak reference to the storage, version
     counter) of each argument, from the op; one written since (its version moved on) is
-    taken for gone, its values now not those the op read. One gone is known by the check of the last earlier op of the
+    taken for gone, its values now not those the op read, unless the op wrote it itself
+    (OWN: their ids). One gone is known by the check of the last earlier op of the
     window that wrote its memory (a temporary between two ops of the window), or by its
     judgement before the op ran (PRIOR: the taint of the op's arguments then), or, while
     its memory lives on (a view of a parameter), by what was judged of that memory since
@@ -311,7 +312,7 @@ def _freed_inputs(made, memory, prior, taint_at, mark_at):
     mark = None
     for ref, address, storage_ref, version in memory:
         t = ref()
-        if t is not None and t._version == version:
+        if t is not None and (t._version == version or id(t) in own):
             continue                  # (alive and as the op left it: the judge reads it)
         dead = True
         found = made.get(address)
@@ -366,6 +367,18 @@ def _weak(value):
     if isinstance(value, dict):
         return {k: _weak(v) for k, v in value.items()}
     return value
+
+
+def _written_by(info, args, kwargs) -> set:
+    """The ids of the tensors the op of INFO writes (its mutated arguments; a list's
+    tensors for a foreach op)."""
+    found = set()
+    for key, _ in info.mutated:
+        value = args[key] if type(key) is int and key < len(args) else kwargs.get(key)
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, Tensor):
+                found.add(id(t))
+    return found
 
 
 def _without(value, gone):

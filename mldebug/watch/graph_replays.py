@@ -162,7 +162,7 @@ class GraphReplays:
 
     def _report_replayed(self, module, site, nan, posinf, neginf, output) -> None:
         kind = "nan" if nan or not (posinf or neginf) else "inf"
-        if kind not in self.break_on and not (kind == "inf" and "inf-all" in self.break_on):
+        if kind not in self.break_on:
             return
         path, mtype = self._names.path((module, None))
         patterns = tuple(_ALLOWED) + self.allow

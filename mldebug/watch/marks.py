@@ -207,7 +207,7 @@ class WrittenMarks:
         that wrote it (the pause stays in the frame running now). The value is then known
         as a stop's: what flows on from it is no new stop."""
         kind = "nan" if counts[0] else "inf"
-        if kind not in self.break_on and "inf-all" not in self.break_on:
+        if kind not in self.break_on:
             return False
         self._taint_add(value, counts[0] > 0, counts[1] + counts[2] > 0, True)
         v = self._mark_violation(mark, what, value, counts, "forward",

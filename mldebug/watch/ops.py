@@ -181,7 +181,7 @@ def widening_copy_(args, kwargs) -> bool:
 class OpInfo:
     """What the watch needs to know about one overload."""
 
-    __slots__ = ("name", "short", "skip", "mutated", "argnames", "kwnames", "torch_op",
+    __slots__ = ("name", "short", "skip", "mutated", "argnames", "torch_op",
                  "op", "func", "safe", "guard", "promote", "prov", "lifted", "writes")
 
     def __init__(self, func):
@@ -192,7 +192,6 @@ class OpInfo:
         schema = getattr(func, "_schema", None)
         arguments = list(schema.arguments) if schema is not None else []
         self.argnames = tuple(a.name for a in arguments if not a.kwarg_only)
-        self.kwnames = tuple(a.name for a in arguments if a.kwarg_only)
         # (position or name, schema name) of every argument the op writes to
         mutated = []
         positional = 0

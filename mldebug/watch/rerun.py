@@ -209,7 +209,7 @@ class Rerun:
     @contextlib.contextmanager
     def _full_watch(self, top):
         """The per-op check on every op and the module hooks on, for a re-run."""
-        installed = not self._global_hooks
+        installed = not self._module_handles
         if installed:
             self._install_module_hooks()
         self._rerunning += 1

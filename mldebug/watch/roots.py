@@ -117,10 +117,10 @@ class RootCall:
 
     __slots__ = ("info", "args", "kwargs", "arg_copies", "arg_versions", "cpu_rng",
                  "cuda_rng", "autocast", "grad", "buffers", "copies", "versions", "site",
-                 "step", "micro", "outs", "nodes", "grads", "stopped", "unfaithful",
+                 "micro", "outs", "nodes", "grads", "stopped", "unfaithful",
                  "__weakref__")
 
-    def __init__(self, info, args, kwargs, step):
+    def __init__(self, info, args, kwargs):
         self.info = info
         self.args, self.kwargs = args, kwargs
         self.arg_copies = None       # (args, kwargs) copied as the call started
@@ -132,7 +132,6 @@ class RootCall:
         self.copies: dict = {}       # index -> copy, of those written in place
         self.versions: list = []     # their version counters as the call started
         self.site = ("", 0, "")      # the user's line of the call
-        self.step = step
         self.micro = 0               # the backward it feeds, counted within the step
         self.outs: list = []         # weakrefs to its floating outputs
         self.nodes: list = []        # (autograd node, output_nr, position) of those that
@@ -335,7 +334,7 @@ class Roots:
         self._learning_root = None
         infos = [i for i in self._roots.values() if i.ref() is not None and not i.start]
         if any(info.compiled for info in infos) or self._compiled_seen \
-                or not self._global_hooks:
+                or not self._module_handles:
             return      # (dynamo compiled code with the global hooks: they stay)
         self._remove_module_hooks()
         for info in infos:

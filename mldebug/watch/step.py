@@ -160,7 +160,7 @@ class HealthyStep:
             self._deliver_stash()
         if self._win:
             self._window_to_ledger()   # (the ops before the call are judged first)
-        call = RootCall(info, args, kwargs, self._steps)
+        call = RootCall(info, args, kwargs)
         call.micro = self._micro + 1
         call.cpu_rng, call.cuda_rng = rng_state()
         call.autocast = autocast_state()

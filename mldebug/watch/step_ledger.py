@@ -12,7 +12,7 @@ one more, `fused_key`), one `stack`, one `amax` and one `.item()`.
 Only when that one value is not finite are the norms read one by one and the judges run,
 oldest first, each doing what its window would have done had it been read at once.
 
-When a read happens is the watch's choice (`Watch._read_or_defer`): at the end of each
+When a read happens is the watch's choice (`Watch._can_defer`): at the end of each
 window while it cannot defer, else once a training step, at the optimizer's step (before
 it changes the parameters, so a re-run still computes what the step computed): the
 forward, the loss region and backward of step k and what the update of step k-1 wrote are
@@ -305,19 +305,6 @@ def first_bad(values, slots) -> float | None:
 
 class DeviceReads:
     """Methods of `Watch` that decide when the ledger (`Watch._ledger`) is read."""
-
-    def _read_or_defer(self, judge, always=False, defer=None) -> None:
-        """Register JUDGE for what the ledger holds; read now unless it may wait."""
-        ledger = self._ledger
-        if self._win:            # the per-op window's ops came first: their judge too
-            self._window_to_ledger()
-        if judge is not None:
-            ledger.then(judge, always)
-        if defer is None:
-            defer = self._can_defer()
-        if defer and ledger.holds_tensors():
-            return
-        self._read_ledger()
 
     def _read_ledger(self) -> None:
         """The read: one transfer; the judges run when it shows a NaN/Inf (and those

@@ -60,12 +60,10 @@ class Taint:
         if not self._taint:
             return None
         try:
-            rec = self._taint.get(t.untyped_storage().data_ptr())
+            rec = self._taint_at(t.untyped_storage().data_ptr())
         except Exception:
             return None
-        if rec is None or rec[0]() is None:
-            return None
-        return rec[2:]
+        return rec[2:] if rec is not None else None
 
     def _no_live_taint(self) -> bool:
         """Whether no non-finite tensor judged so far is still alive (dead ones dropped)."""

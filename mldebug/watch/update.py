@@ -273,7 +273,8 @@ class OptimizerStep:
                 # judged again as it is now (the next op that writes it in place sees it)
                 mark = self._mark_at(x.untyped_storage().data_ptr()) if not before[2] \
                     else None
-                if mark is not None and not mark.stopped and reported is None:
+                if mark is not None and not mark.stopped and reported is None \
+                        and ("nan" if c[0] else "inf") in self.break_on:
                     # (written there on purpose, and no stop made of it: marks.py)
                     name = self._names.param(p, optimizer)
                     reported = self._mark_violation(

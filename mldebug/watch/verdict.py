@@ -277,7 +277,7 @@ class Verdict:
                 reached = "the optimizer's step"
             elif stage == "forward" and _data_origin._is_parameter(bad):
                 reached = "a parameter"
-            stop = bool(reached) and (kind in self.break_on or "inf-all" in self.break_on) \
+            stop = bool(reached) and kind in self.break_on \
                 and not (stage == "optimizer" and self._opt_stop_step == self._steps)
         if mark is not None and not stop:
             self._flowed_mark = mark       # (a re-run's gradients carry it: rerun.py)
@@ -394,7 +394,8 @@ class Verdict:
         unjudged = False
         if not created:
             if judged and mark is not None and not mark.stopped \
-                    and self._opt_stop_step != self._steps:
+                    and self._opt_stop_step != self._steps \
+                    and ("nan" if counts[0] else "inf") in self.break_on:
                 # a gradient written on purpose (`p.grad[m] = nan`): into the parameter
                 name = self._names.param(p, optimizer)
                 self._opt_stop_step = self._steps
@@ -403,12 +404,11 @@ class Verdict:
                     counts, "optimizer", param=name, frame=_frames.user_frame(_caller(3)))
             if judged:
                 return None                 # it flows on from a gradient already judged
-            # a gradient no check judged: made by the backward of layers whose gradients
-            # are not checked one by one (safe.params_to_check: only an overflow makes
-            # one there), or written outside the watch
+            # a gradient no check judged: written outside the watched backward (by hand,
+            # a hook, a collective after it)
             unjudged = True
             gkind = "nan" if grad_counts[0] else "inf"
-            stop = gkind in self.break_on or "inf-all" in self.break_on
+            stop = gkind in self.break_on
         else:
             stop = kind in self.break_on
         if not stop or self._opt_stop_step == self._steps:
@@ -452,7 +452,7 @@ class Verdict:
         micro-batch."""
         nan, posinf, neginf = counts
         kind = "nan" if nan else "inf"
-        if kind not in self.break_on and not (kind == "inf" and "inf-all" in self.break_on):
+        if kind not in self.break_on:
             return
         if stage == "backward" and self._amp.excuses():
             return            # a loss scaler's overflow: GradScaler skips this step

@@ -190,6 +190,20 @@ def test_inf_all_stops_where_an_inf_is_written(exact):
                                               line_of(program, "# written"))]
 
 
+def test_inf_all_alone_adds_infs_not_nan(device, exact):
+    """`inf-all` asks for every Inf; a NaN marker reaching the model stops only when
+    'nan' is asked for too, as every other NaN."""
+    def program():
+        torch.manual_seed(0)
+        x = torch.randn(32, 6)
+        x[x > 1.0] = float("nan")                        # written
+        train(x)
+
+    assert stops(program, exact, break_on=("inf-all",)) == []
+    got = stops(program, exact, break_on=("nan", "inf-all"))
+    assert [(v.kind, v.line) for v in got] == [("nan", line_of(program, "# written"))]
+
+
 # the issue's program: missing values marked with NaN, cleaned (or not) before the model
 MARKED = """
     import sys
