@@ -69,13 +69,16 @@ def fused_key(x) -> tuple:
 class StepLedger:
     """Device tensors waiting for their check, by slot, and the judges to run on a bad one."""
 
-    __slots__ = ("_held", "_held_bytes", "_kept", "_kept_ids", "_grouped", "_norms",
+    __slots__ = ("_held", "_held_bytes", "_aside", "_aside_bytes", "_kept", "_kept_ids",
+                 "_grouped", "_norms",
                  "_slots", "_judges", "_late", "_lock", "slots", "backwards", "calls",
                  "sources", "waiting")
 
     def __init__(self):
         self._held: list = []      # temporaries: (tensor, slot), bounded
         self._held_bytes = 0
+        self._aside: list = []     # temporaries reduced already (before an op wrote
+        self._aside_bytes = 0      # them) or empty: alive for the judges, in the bound
         self._kept: list = []      # tensors that live on anyway: (tensor, slot)
         self._kept_ids: dict = {}  # id(tensor) -> slot, of those
         self._grouped: list = []   # tensors that live on anyway, grouped by their holder:
@@ -126,13 +129,17 @@ class StepLedger:
                         self._kept.append((x, slot))
                 slots.append(slot)
                 continue
-            if x.numel():           # (an empty tensor holds nothing: its slot stays finite)
+            if x.numel():
                 self._held.append((x, self.slots))
                 self._held_bytes += x.numel() * x.element_size()
+            else:                   # (nothing to reduce: its slot stays finite; kept for
+                self._aside.append(x)   # a judge, which may read its shape)
             slots.append(self.slots)
             self.slots += 1
-        if len(self._held) >= _GROUP or self._held_bytes >= _GROUP_BYTES:
+        if len(self._held) + len(self._aside) >= _GROUP \
+                or self._held_bytes + self._aside_bytes >= _GROUP_BYTES:
             held, self._held, self._held_bytes = self._held, [], 0
+            self._aside, self._aside_bytes = [], 0
             self._reduce(held)
         return slots
 
@@ -164,6 +171,9 @@ class StepLedger:
                 return
             held, self._held, self._held_bytes = self._held, [], 0
             self._reduce(held)
+            # (alive until the read, within the bound: a judge reads an op's inputs)
+            self._aside.extend(x for x, _ in held)
+            self._aside_bytes += sum(x.numel() * x.element_size() for x, _ in held)
 
     def then(self, judge, always: bool = False) -> None:
         """Run JUDGE(values) at the read when a slot held so far is not finite (ALWAYS:
@@ -209,6 +219,7 @@ class StepLedger:
         """Empty the ledger: (norms, their slots, judges)."""
         emptied = (self._norms, self._slots, self._judges)
         self._held, self._kept, self._held_bytes, self._kept_ids = [], [], 0, {}
+        self._aside, self._aside_bytes = [], 0
         self._grouped = []
         self._norms, self._slots, self._judges = [], [], []
         self.backwards = self.calls = 0
@@ -224,6 +235,7 @@ class StepLedger:
         if items or grouped:
             self._reduce(items, grouped)
             items.extend(grouped)     # (kept alive while the judges run)
+        items.extend(self._aside)
         norms, slots, judges = self._empty()
         values = None
         if norms:

@@ -68,6 +68,34 @@ def test_temporaries_are_held_within_the_bound_and_alive_tensors_once():
     assert len(ledger._kept) == 1
 
 
+def test_a_temporary_reduced_before_a_write_and_an_empty_one_live_until_the_read():
+    """A judge reads an op's inputs at the read (what a stop's hint needs: a divisor's
+    zeros, an empty input's shape): a temporary reduced early, because an op is about to
+    write its memory, and an empty one (nothing to reduce) stay alive until then, within
+    the temporaries' bound, and are let go by the read."""
+    import weakref
+    ledger = StepLedger()
+    divisor, empty = torch.zeros(4, 1), torch.zeros(0, 4)
+    slots = ledger.hold([divisor, empty])
+    ledger.reduce_before_write({divisor.untyped_storage().data_ptr()})
+    assert not ledger._held and len(ledger._norms) == 1         # reduced: the value is kept
+    divisor.fill_(float("nan"))                                 # (the write comes after)
+    gone = weakref.ref(divisor), weakref.ref(empty)
+    del divisor, empty
+    assert all(ref() is not None for ref in gone)               # alive for the judges
+    ledger.then(lambda values: None)
+    values, _, held = ledger.take()
+    assert values is None and first_bad(values, slots) is None  # the value before the write
+    del held
+    assert all(ref() is None for ref in gone)                   # let go by the read
+    big = torch.zeros(step_ledger._GROUP_BYTES // 8 + 1)
+    ledger.hold([big])
+    ledger.reduce_before_write({big.untyped_storage().data_ptr()})
+    assert ledger._aside_bytes > step_ledger._GROUP_BYTES // 8
+    ledger.hold([torch.zeros(step_ledger._GROUP_BYTES // 8)])   # the bound, together
+    assert not ledger._aside and not ledger._held
+
+
 def test_memory_let_go_since_is_not_read_and_the_rest_still_is():
     """FSDP frees gathered parameters with `resize_(0)`: reading one would read freed
     memory (a segfault); it is left out, and a NaN beside it is still found."""
