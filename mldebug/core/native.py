@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import operator
 import os
 import platform
 import shlex
@@ -79,11 +80,28 @@ def _strides_in_storage(x: torch.Tensor) -> bool:
         * x.element_size()
 
 
+_first = operator.itemgetter(0)
+_T, _S = torch.Tensor, torch._C.StorageBase
+
+
 def with_values(items: list) -> list:
     """The (tensor, ...) tuples of ITEMS whose tensor has its values (`values_address`
     non-zero), in one call: the watch's device ledger asks it of every tensor it reduces,
     a few hundred a step, where a call each would count on a GPU's launch-bound step.
-    (`values_address`'s test, written out in the loop.)"""
+    First for all at once, in C loops (`map`: no Python frame, ~0.1 us a tensor): when
+    every tensor has elements, an address, and memory up to its last element in the
+    dense layout, all are kept. Else `values_address`'s test, written out in the loop
+    (~0.5 us a tensor: an expanded or freed tensor, an empty one, a ZeroTensor)."""
+    xs = list(map(_first, items))
+    try:
+        if all(map(_T.numel, xs)) and all(map(_T.data_ptr, xs)) and all(map(
+                operator.le,
+                map(operator.mul, map(operator.add, map(_T.storage_offset, xs),
+                                      map(_T.numel, xs)), map(_T.element_size, xs)),
+                map(_S.nbytes, map(_T.untyped_storage, xs)))):
+            return items
+    except RuntimeError:           # (one without storage: told apart below)
+        pass
     kept = []
     for item in items:
         x = item[0]
@@ -96,6 +114,22 @@ def with_values(items: list) -> list:
                 or _strides_in_storage(x)):
             kept.append(item)
     return kept
+
+
+def memory_needed(xs: list):
+    """The bytes of memory each tensor of XS reaches (its storage offset and elements),
+    for tensors that will be asked again whether they still have their values (an
+    optimizer's parameters and state, every step): `storage.nbytes() >= needed` then
+    says so. None when one of them would not pass `with_values`'s first test as it is
+    (empty, no address, expanded): those are asked in full each time."""
+    try:
+        if all(map(_T.numel, xs)) and all(map(_T.data_ptr, xs)):
+            needed = [(x.storage_offset() + x.numel()) * x.element_size() for x in xs]
+            if all(map(operator.le, needed, map(_S.nbytes, map(_T.untyped_storage, xs)))):
+                return needed
+    except RuntimeError:
+        pass
+    return None
 
 
 def compiler() -> list:

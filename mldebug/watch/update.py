@@ -25,6 +25,7 @@ from operator import is_, methodcaller
 from torch import Tensor
 
 from ..core import frames as _frames
+from ..core.native import memory_needed
 from . import checks as _checks
 from .checks import _PLAIN, _STRIDED, _caller, _counts, _is_cpu, pop_if_top, push
 from .step_ledger import cuda_graph_aside, fused_key
@@ -46,17 +47,20 @@ class StepTensors:
     def __init__(self, optimizer, entries):
         self.entries = entries
         self.tensors = [x for x, _, _, _ in entries]
-        self.by_device = {}          # step_ledger.fused_key -> (tensors, their indices):
-                                     # the ledger's grouping, done once; None for a
-                                     # subclass (a DTensor's local values are looked up
-                                     # at each step: `StepLedger.hold`)
+        self.by_device = {}          # step_ledger.fused_key -> (tensors, their indices,
+                                     # memory_needed): the ledger's grouping, done once;
+                                     # None for a subclass (a DTensor's local values are
+                                     # looked up at each step: `StepLedger.hold`)
         for i, x in enumerate(self.tensors):
             if type(x) not in _PLAIN:
                 self.by_device = None
                 break
-            xs, indices = self.by_device.setdefault(fused_key(x), ([], []))
+            xs, indices, _ = self.by_device.setdefault(fused_key(x), ([], [], None))
             xs.append(x)
             indices.append(i)
+        if self.by_device is not None:
+            self.by_device = {key: (xs, indices, memory_needed(xs))
+                              for key, (xs, indices, _) in self.by_device.items()}
         self.sizes, self.objects = _found_from(optimizer)
 
     def same_as(self, optimizer) -> bool:

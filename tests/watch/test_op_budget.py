@@ -127,14 +127,14 @@ def test_on_a_device_a_forward_is_checked_by_a_few_fused_launches():
 # The Python calls one healthy step on the device path adds, all code (torch's too: the
 # hooks mldebug installs make torch run more of its own), torch 2.13.0, on the plain
 # step's 104 / 765 / 1259: the watch (its roots' hooks, backward, the step's read; no
-# hook below a root) +133 / +144 / +141; the recorder with all four logs every step
+# hook below a root) +132 / +143 / +140; the recorder with all four logs every step
 # +385 / +3252 / +3216. On a GPU's launch-bound step the training thread's CPU time is
 # the step's time, and what mldebug adds there is mostly these calls: a ceiling 15%
 # above them catches a walk or a check put back on the hot path (a module hook per call
 # was ~1,300 calls on the CNN; a tensor's Python `__hash__` per parameter, ~150 on a
 # 12-layer GPT-2). (A capture left counted by an earlier test made every hook ask for
 # one: ~10 calls a module call; conftest's `_no_capture_left_open` fails such a test.)
-EXTRA_CALLS = {"mlp": (133, 385), "cnn": (144, 3252), "gpt": (141, 3216)}
+EXTRA_CALLS = {"mlp": (132, 385), "cnn": (143, 3252), "gpt": (140, 3216)}
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "gpt"])
@@ -199,7 +199,7 @@ def test_the_python_a_step_adds_does_not_grow_with_the_models_depth(device_path)
     """On a GPU's launch-bound step the host's Python is the watch's cost: with hooks
     on the roots only (not on every module) and every check a few multi-tensor ops, a
     12-layer GPT-2 (164 modules, 148 parameters) adds about what a 2-layer one (34, 28)
-    does: 119 calls each on the device path, torch 2.13.0. On the CPU each tensor's C
+    does: 118 calls each on the device path, torch 2.13.0. On the CPU each tensor's C
     check runs in one loop of mldebug's (checks.host_bad), not a call or four each:
     92 calls each."""
     two = extra_calls(lambda: gpt2(2), device_path)

@@ -107,6 +107,27 @@ def test_memory_let_go_since_is_not_read_and_the_rest_still_is():
     assert first_bad(values, slots[:1]) is None and first_bad(values, slots[1:]) is not None
 
 
+def test_an_optimizers_tensors_whose_memory_was_let_go_are_not_read():
+    """An optimizer's parameters and state are grouped once (update.StepTensors) with
+    the memory each reaches (`memory_needed`); a later step compares it in C loops: one
+    let go since (FSDP's `resize_(0)`) is left out, a NaN beside it is still found, and
+    a group that could not be measured (an empty tensor) is asked in full."""
+    from mldebug.core.native import memory_needed
+    p, freed, bad = torch.ones(8), torch.ones(1000)[10:], torch.tensor([1.0, float("nan")])
+    xs = [p, freed, bad]
+    assert memory_needed(xs) == [32, 4000, 8]
+    assert memory_needed([p, torch.ones(0)]) is None
+    ledger = StepLedger()
+    slots = ledger.hold_grouped({"key": (xs, [0, 1, 2], memory_needed(xs))}, 3)
+    freed.untyped_storage().resize_(0)
+    values, _, _ = ledger.take()
+    assert [first_bad(values, [s]) is None for s in slots] == [True, True, False]
+    empty = torch.ones(0)
+    slots = ledger.hold_grouped({"key": ([p, empty, bad], [0, 1, 2], None)}, 3)
+    values, _, _ = ledger.take()
+    assert [first_bad(values, [s]) is None for s in slots] == [True, True, False]
+
+
 def test_a_judge_that_comes_after_the_read_of_its_tensors_still_gets_their_values():
     ledger = StepLedger()
     slots = ledger.hold([torch.tensor([float("inf")])])
