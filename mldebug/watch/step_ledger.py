@@ -18,8 +18,12 @@ it changes the parameters, so a re-run still computes what the step computed): t
 forward, the loss region and backward of step k and what the update of step k-1 wrote are
 then checked by one read. Temporaries are held at most _GROUP tensors / _GROUP_BYTES at a
 time (beyond that they are reduced at once and let go), so holding them changes a
-program's memory by at most that much; parameters, gradients and optimizer state live on
-anyway and are held without a bound.
+program's memory by at most that much. One reduced early (an op is about to write its
+memory) and an empty one stay alive until the read inside that bound: a judge reads the
+op's inputs (a stop's hint: a divisor's zeros, an empty input's shape). Parameters,
+gradients and optimizer state live on anyway and are held without a bound; an
+optimizer's are asked whether their memory is still there (FSDP lets it go) by the size
+of their storage, measured once (`core.native.memory_needed`).
 
 Tested without a GPU through the same code: the `device` fixture's `cpu-as-device` case,
 and `pytest --device-path` runs a whole test directory so (`MLDEBUG_SIMULATE_DEVICE=1`,
