@@ -117,16 +117,21 @@ def with_values(items: list) -> list:
 
 
 def memory_needed(xs: list):
-    """The bytes of memory each tensor of XS reaches (its storage offset and elements),
-    for tensors that will be asked again whether they still have their values (an
-    optimizer's parameters and state, every step): `storage.nbytes() >= needed` then
-    says so. None when one of them would not pass `with_values`'s first test as it is
-    (empty, no address, expanded): those are asked in full each time."""
+    """(the address of each tensor of XS, the bytes of memory it reaches: its storage
+    offset and the extent of its strides), for tensors that will be asked again whether
+    they still have their values (an optimizer's parameters and state, every step): while
+    the addresses are the same (`p.data = ...` moves them), `storage.nbytes() >= needed`
+    says so. None when one of them has no values now (empty, no address, memory let go):
+    those are asked in full each time."""
     try:
-        if all(map(_T.numel, xs)) and all(map(_T.data_ptr, xs)):
-            needed = [(x.storage_offset() + x.numel()) * x.element_size() for x in xs]
-            if all(map(operator.le, needed, map(_S.nbytes, map(_T.untyped_storage, xs)))):
-                return needed
+        addresses = list(map(_T.data_ptr, xs))
+        if not all(addresses) or not all(map(_T.numel, xs)):
+            return None
+        needed = [(x.storage_offset() + 1 + sum(
+            (size - 1) * stride for size, stride in zip(x.shape, x.stride()))) * x.element_size()
+            for x in xs]
+        if all(map(operator.le, needed, map(_S.nbytes, map(_T.untyped_storage, xs)))):
+            return addresses, needed
     except RuntimeError:
         pass
     return None

@@ -227,13 +227,17 @@ class DeviceWindow:
             args = _live(wargs)
             kwargs = _live(wkwargs) if wkwargs else {}
             # an argument written since the op ran (`x.copy_(torch.full_like(x, nan))`)
-            # does not hold what the op read: judged as one that is gone. (One the op
-            # wrote itself, its version moved on by the op: the verdict judges it by what
-            # was judged of it before, as on the host.)
+            # does not hold what the op read: judged as one that is gone, when something
+            # tells what its memory held (an earlier op of the window wrote it, or it was
+            # judged); else its values now (a write may have left the part the op read
+            # as it was). One the op wrote itself moved on by the op: the verdict judges
+            # it by what was judged of it before, as on the host
             own = _written_by(info, args, kwargs) if info.mutated else ()
-            since = {id(t) for ref, _, _, version in memory
+            since = {id(t) for ref, address, storage_ref, version in memory
                      if (t := ref()) is not None and t._version != version
-                     and id(t) not in own}
+                     and id(t) not in own and (
+                         address in made or prior
+                         or self._taint_at(address, storage_ref()) is not None)}
             if since:
                 args, kwargs = _without(args, since), _without(kwargs, since)
             outs = _live(wouts)
@@ -251,7 +255,7 @@ class DeviceWindow:
                         "by its norm")
             else:
                 dtype = None
-            freed = _freed_inputs(made, memory, prior, self._taint_at, self._mark_at, own)
+            freed = _freed_inputs(made, memory, prior, self._taint_at, self._mark_at, since)
             self._slow(func, info, args, kwargs, outs, entry, note, freed, dtype)
             mark = None
             if note:
@@ -293,15 +297,14 @@ def _writes_nonfinite(args, kwargs) -> bool:
     return False
 
 
-def _freed_inputs(made, memory, prior, taint_at, mark_at, own=()):
+def _freed_inputs(made, memory, prior, taint_at, mark_at, since=()):
     """What the op's tensor arguments that are gone since held: (has NaN, has Inf,
     descends from a stop, the Mark of a value written on purpose or None), or None when
     none held a NaN/Inf (or none is gone).
 
     MEMORY: (weak reference, memory address, weak reference to the storage, version
-    counter) of each argument, from the op; one written since (its version moved on) is
-    taken for gone, its values now not those the op read, unless the op wrote it itself
-    (OWN: their ids). One gone is known by the check of the last earlier op of the
+    counter) of each argument, from the op; one written since (SINCE: their ids) is
+    taken for gone, its values now not those the op read. One gone is known by the check of the last earlier op of the
     window that wrote its memory (a temporary between two ops of the window), or by its
     judgement before the op ran (PRIOR: the taint of the op's arguments then), or, while
     its memory lives on (a view of a parameter), by what was judged of that memory since
@@ -312,8 +315,8 @@ def _freed_inputs(made, memory, prior, taint_at, mark_at, own=()):
     mark = None
     for ref, address, storage_ref, version in memory:
         t = ref()
-        if t is not None and (t._version == version or id(t) in own):
-            continue                  # (alive and as the op left it: the judge reads it)
+        if t is not None and id(t) not in since:
+            continue                  # (alive, read as it is: the judge reads it)
         dead = True
         found = made.get(address)
         if found is None:

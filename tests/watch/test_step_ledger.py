@@ -107,7 +107,7 @@ def test_memory_let_go_since_is_not_read_and_the_rest_still_is():
     assert first_bad(values, slots[:1]) is None and first_bad(values, slots[1:]) is not None
 
 
-def test_an_optimizers_tensors_whose_memory_was_let_go_are_not_read():
+def test_an_optimizers_tensors_whose_memory_was_let_go_are_not_read(monkeypatch):
     """An optimizer's parameters and state are grouped once (update.StepTensors) with
     the memory each reaches (`memory_needed`); a later step compares it in C loops: one
     let go since (FSDP's `resize_(0)`) is left out, a NaN beside it is still found, and
@@ -115,13 +115,27 @@ def test_an_optimizers_tensors_whose_memory_was_let_go_are_not_read():
     from mldebug.core.native import memory_needed
     p, freed, bad = torch.ones(8), torch.ones(1000)[10:], torch.tensor([1.0, float("nan")])
     xs = [p, freed, bad]
-    assert memory_needed(xs) == [32, 4000, 8]
+    assert memory_needed(xs)[1] == [32, 4000, 8]
+    assert memory_needed([torch.ones(100)[::10], torch.ones(1).expand(5)])[1] == [364, 4]
     assert memory_needed([p, torch.ones(0)]) is None
     ledger = StepLedger()
     slots = ledger.hold_grouped({"key": (xs, [0, 1, 2], memory_needed(xs))}, 3)
     freed.untyped_storage().resize_(0)
     values, _, _ = ledger.take()
     assert [first_bad(values, [s]) is None for s in slots] == [True, True, False]
+    # a parameter given other memory (`p.data = ...`), the old measure no longer its own
+    moved, big = torch.ones(10), torch.ones(2000)
+    found = memory_needed([moved])
+    moved.data = big[1000:1010]
+    big.untyped_storage().resize_(80)
+    reduced = []
+    norm = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda xs, *a, **k: (
+        reduced.extend(xs), norm(xs, *a, **k))[1])
+    ledger.hold_grouped({"key": ([moved, p], [0, 1], found and (found[0] + [p.data_ptr()],
+                                                                 found[1] + [32]))}, 2)
+    ledger.take()
+    assert [id(x) for x in reduced] == [id(p)]  # (moved: its memory is not there)
     empty = torch.ones(0)
     slots = ledger.hold_grouped({"key": ([p, empty, bad], [0, 1, 2], None)}, 3)
     values, _, _ = ledger.take()

@@ -302,6 +302,27 @@ def test_a_written_value_is_not_blamed_on_the_op_that_made_the_tensor(device):
     del y
 
 
+def test_an_input_written_after_the_op_is_judged_as_the_op_read_it(device):
+    """The device window judges an op at a later read: an input written since holds
+    other values. Where the window knows what it held (an earlier op of the window wrote
+    it), that is what is judged (the NaN copied into x after full_like read it is not
+    taken for full_like's input); where it does not (a mask made before the watch), the
+    input is read as it is, and a write to another part of it changes nothing."""
+    inf = float("inf")
+    mask = torch.zeros(4, 4).masked_fill(torch.ones(4, 4, dtype=torch.bool).triu(1), -inf)
+    with watch(on_violation=lambda v: None) as w:
+        scores = torch.randn(4, 4) + mask      # -inf flows in from the mask: no stop
+        mask[3, :] = 0.0                       # another row, written later
+        p = scores.softmax(-1)
+        x = torch.randn(8, 4)
+        marker = torch.full_like(x, float("nan"))   # a NaN written on purpose ...
+        x.copy_(marker)                             # ... into x, after full_like read it
+        del marker
+        kept = (p, x)
+    assert w.violations == []
+    del kept
+
+
 def test_what_a_module_writes_over_in_place_is_judged_as_it_was_made(device):
     # the device window holds `h` for a read after the model call: the model writing over
     # its input in place (ReLU(inplace=True) turns -inf into 0) must not hide what made it
