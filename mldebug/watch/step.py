@@ -513,8 +513,11 @@ class HealthyStep:
     def _micro_of(self, micro):
         """The micro-batch a stop names (1, 2, ...: which forward and backward since the
         last optimizer step), or None where there is no gradient accumulation to speak
-        of: the first backward of a step when no step had more."""
-        return micro if micro and (micro > 1 or self._accumulating) else None
+        of: the first backward of a step when no step had more, and before any optimizer
+        step (backwards without an optimizer: tests, a hand-written update) as the step
+        is."""
+        return micro if micro and self._opt_seen and (micro > 1 or self._accumulating) \
+            else None
 
     # -- the checks ----------------------------------------------------------------------
     def _check(self, tensors, judge, alive=False, defer=False, grouped=None) -> bool:

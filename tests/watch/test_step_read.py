@@ -273,6 +273,18 @@ def test_a_stop_at_the_op_names_the_micro_batch(device, exact, stage, bad_micro,
     assert f"[{stage}, step {bad_step}, micro-batch {bad_micro + 1}]" in got[0].headline()
 
 
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "roots"])
+def test_backwards_without_an_optimizer_name_no_micro_batch(device, exact):
+    """No optimizer step, no step to count micro-batches in (tests, a hand-written
+    update): a stop after several backwards names neither."""
+    model, _, x = setup(device, RootWhen())
+    got = []
+    with watch(on_violation=got.append, exact=exact):
+        for i in range(4):
+            model(x, bad=i == 3).pow(2).mean().backward()
+    assert [(v.stage, v.step, v.micro_batch) for v in got] == [("backward", None, None)]
+
+
 def test_an_eval_forward_between_steps_is_read_at_its_end(device):
     """A forward under no_grad (evaluation) has no step read to wait for: read when it
     returns, after what the training step left waiting."""
