@@ -75,9 +75,14 @@ def _strides_in_storage(x: torch.Tensor) -> bool:
     memory), whether its storage holds the extent its strides reach."""
     if x.is_contiguous() or not x.numel():
         return False
+    return x.untyped_storage().nbytes() >= _reach(x)
+
+
+def _reach(x: torch.Tensor) -> int:
+    """The bytes of X's storage up to the end of its last element (X not empty), by the
+    extent of its strides: any layout, dense, sliced or expanded."""
     last = sum((size - 1) * stride for size, stride in zip(x.shape, x.stride()))
-    return x.untyped_storage().nbytes() >= (x.storage_offset() + last + 1) \
-        * x.element_size()
+    return (x.storage_offset() + last + 1) * x.element_size()
 
 
 _first = operator.itemgetter(0)
@@ -127,9 +132,7 @@ def memory_needed(xs: list):
         addresses = list(map(_T.data_ptr, xs))
         if not all(addresses) or not all(map(_T.numel, xs)):
             return None
-        needed = [(x.storage_offset() + 1 + sum(
-            (size - 1) * stride for size, stride in zip(x.shape, x.stride()))) * x.element_size()
-            for x in xs]
+        needed = list(map(_reach, xs))
         if all(map(operator.le, needed, map(_S.nbytes, map(_T.untyped_storage, xs)))):
             return addresses, needed
     except RuntimeError:

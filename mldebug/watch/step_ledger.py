@@ -59,9 +59,9 @@ CAPTURE_NOTE = ("the watch does not check inside it (its kernels have no values 
                 "the model called in it after each replay, and what the program computes "
                 "with them")
 _GROUP = 64
+_GROUP_BYTES = 64 << 20
 _le, _nbytes, _storage = operator.le, torch._C.StorageBase.nbytes, torch.Tensor.untyped_storage
 _address = torch.Tensor.data_ptr
-_GROUP_BYTES = 64 << 20
 
 
 def fused_key(x) -> tuple:
@@ -77,9 +77,8 @@ class StepLedger:
     """Device tensors waiting for their check, by slot, and the judges to run on a bad one."""
 
     __slots__ = ("_held", "_held_bytes", "_aside", "_aside_bytes", "_kept", "_kept_ids",
-                 "_grouped", "_norms",
-                 "_slots", "_judges", "_late", "_lock", "slots", "backwards", "calls",
-                 "sources", "waiting")
+                 "_grouped", "_norms", "_slots", "_judges", "_late", "_lock", "slots",
+                 "backwards", "calls", "sources", "waiting")
 
     def __init__(self):
         self._held: list = []      # temporaries: (tensor, slot), bounded
@@ -153,8 +152,8 @@ class StepLedger:
     def hold_grouped(self, groups, n) -> range:
         """Slots for N tensors that live on anyway (an optimizer's parameters and state),
         grouped once by their holder: GROUPS {fused_key: (tensors, their indices among
-        the N, `memory_needed` of them)} (update.StepTensors). Not shared with `hold`'s tensors: one held both
-        ways is read twice."""
+        the N, `memory_needed` of them)} (update.StepTensors). Not shared with `hold`'s
+        tensors: one held both ways is read twice."""
         with self._lock:
             start = self.slots
             self.slots += n

@@ -47,20 +47,20 @@ class StepTensors:
     def __init__(self, optimizer, entries):
         self.entries = entries
         self.tensors = [x for x, _, _, _ in entries]
-        self.by_device = {}          # step_ledger.fused_key -> (tensors, their indices,
-                                     # memory_needed): the ledger's grouping, done once;
-                                     # None for a subclass (a DTensor's local values are
-                                     # looked up at each step: `StepLedger.hold`)
+        # step_ledger.fused_key -> (tensors, their indices, memory_needed): the ledger's
+        # grouping, done once; None for a subclass (a DTensor's local values are looked
+        # up at each step: `StepLedger.hold`)
+        self.by_device = None
+        groups: dict = {}
         for i, x in enumerate(self.tensors):
             if type(x) not in _PLAIN:
-                self.by_device = None
                 break
-            xs, indices, _ = self.by_device.setdefault(fused_key(x), ([], [], None))
+            xs, indices = groups.setdefault(fused_key(x), ([], []))
             xs.append(x)
             indices.append(i)
-        if self.by_device is not None:
+        else:
             self.by_device = {key: (xs, indices, memory_needed(xs))
-                              for key, (xs, indices, _) in self.by_device.items()}
+                              for key, (xs, indices) in groups.items()}
         self.sizes, self.objects = _found_from(optimizer)
 
     def same_as(self, optimizer) -> bool:
