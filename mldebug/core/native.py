@@ -64,17 +64,14 @@ def values_address(x: torch.Tensor) -> int:
 
 
 def _in_storage(x: torch.Tensor) -> bool:
-    """Whether X's storage still holds every value X addresses: a dense tensor's
-    `storage_offset + numel` values, or `_strides_in_storage`."""
-    return x.untyped_storage().nbytes() >= (x.storage_offset() + x.numel()) \
-        * x.element_size() or _strides_in_storage(x)
-
-
-def _strides_in_storage(x: torch.Tensor) -> bool:
-    """For X with gaps or overlaps (a slice, an expanded tensor: more values than
-    memory), whether its storage holds the extent its strides reach."""
+    """Whether X's storage still holds every value X addresses: a contiguous (or empty)
+    tensor's `storage_offset + numel` values; any other layout (a slice's gaps, an
+    expanded tensor's repeats, channels-last) up to the extent of its strides, `_reach`
+    (a slice's element count would pass a storage shrunk part of the way: FSDP's
+    `resize_`)."""
     if x.is_contiguous() or not x.numel():
-        return False
+        return x.untyped_storage().nbytes() >= (x.storage_offset() + x.numel()) \
+            * x.element_size()
     return x.untyped_storage().nbytes() >= _reach(x)
 
 
@@ -94,12 +91,13 @@ def with_values(items: list) -> list:
     non-zero), in one call: the watch's device ledger asks it of every tensor it reduces,
     a few hundred a step, where a call each would count on a GPU's launch-bound step.
     First for all at once, in C loops (`map`: no Python frame, ~0.1 us a tensor): when
-    every tensor has elements, an address, and memory up to its last element in the
-    dense layout, all are kept. Else `values_address`'s test, written out in the loop
-    (~0.5 us a tensor: an expanded or freed tensor, an empty one, a ZeroTensor)."""
+    every tensor is contiguous, has elements, an address, and memory up to its last
+    element, all are kept. Else `values_address`'s test, written out in the loop (~0.5 us
+    a tensor: a sliced, expanded or freed tensor, an empty one, a ZeroTensor)."""
     xs = list(map(_first, items))
     try:
-        if all(map(_T.numel, xs)) and all(map(_T.data_ptr, xs)) and all(map(
+        if all(map(_T.numel, xs)) and all(map(_T.is_contiguous, xs)) \
+                and all(map(_T.data_ptr, xs)) and all(map(
                 operator.le,
                 map(operator.mul, map(operator.add, map(_T.storage_offset, xs),
                                       map(_T.numel, xs)), map(_T.element_size, xs)),
@@ -114,9 +112,7 @@ def with_values(items: list) -> list:
             ptr = x.data_ptr()
         except RuntimeError:
             continue
-        if ptr and not x._is_zerotensor() and (x.untyped_storage().nbytes() >= (
-                x.storage_offset() + x.numel()) * x.element_size()
-                or _strides_in_storage(x)):
+        if ptr and not x._is_zerotensor() and _in_storage(x):
             kept.append(item)
     return kept
 

@@ -107,6 +107,21 @@ def test_memory_let_go_since_is_not_read_and_the_rest_still_is():
     assert first_bad(values, slots[:1]) is None and first_bad(values, slots[1:]) is not None
 
 
+def test_a_slice_whose_storage_was_shrunk_below_its_reach_is_not_read():
+    """A slice with gaps (`base[::10]`: 10 values over 91 elements of memory) is in its
+    storage by the extent of its strides, not by its element count: a storage shrunk part
+    of the way (`resize_` to 50 elements) would otherwise be read past its end."""
+    from mldebug.core.native import values_address, with_values
+    base = torch.ones(100)
+    sliced, dense = base[::10], torch.ones(4)
+    assert values_address(sliced) and len(with_values([(sliced,), (dense,)])) == 2
+    base.untyped_storage().resize_(50 * 4)
+    assert values_address(sliced) == 0
+    assert [item[0] is dense for item in with_values([(sliced,), (dense,)])] == [True]
+    channels_last = torch.ones(2, 3, 4, 4).to(memory_format=torch.channels_last)
+    assert with_values([(channels_last,)]) and values_address(channels_last)
+
+
 def test_an_optimizers_tensors_whose_memory_was_let_go_are_not_read(monkeypatch):
     """An optimizer's parameters and state are grouped once (update.StepTensors) with
     the memory each reaches (`memory_needed`); a later step compares it in C loops: one
