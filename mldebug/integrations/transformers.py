@@ -10,7 +10,9 @@ global steps. `report="stops.jsonl"` appends every stop as one JSON line.
 Without a terminal (a scheduler's job) a stop writes its report line and ends the
 training with one `mldebug.core.errors.StopError` naming it, as `--batch` would
 (`batch=None`, the default; `batch=True` always, `batch=False` never: the prompt reads
-stdin).
+stdin). The Trainer has no exception callback: an exception that leaves the program
+first has what the watch still holds read (on a GPU, a NaN that caused it is the stop),
+through `sys.excepthook` while training runs (integrations/wiring.py).
 With `record=True` the recording is mirrored into the Trainer's own reporting (`to="logger"`,
 the default): the SummaryWriter of `report_to="tensorboard"` and the run of
 `report_to="wandb"`, on the main process; `to=None` keeps it in the store only, and any
@@ -42,6 +44,9 @@ class MLDebugCallback(TrainerCallback):
             handler = sys._getframe(1).f_locals.get("self")
             to = _reporting_targets(self, handler, args, state) if self.wiring.record else None
         self.wiring.start(model, step=state.global_step, to=to)
+        # (the Trainer has no exception callback: an error that ends the program is
+        # where what the watch still holds is read, before its traceback)
+        self.wiring.read_before_uncaught()
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.wiring.step(state.global_step)

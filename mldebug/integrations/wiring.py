@@ -10,12 +10,14 @@ does: True writes its report line and ends the fit with one `StopError` naming i
 scheduler's job) unless a DAP client (VS Code) is attached or an IPython kernel runs it."""
 from __future__ import annotations
 
+import bdb
+import sys
 from typing import Optional
 
 from ..assertions.scan import AlwaysOn
 from ..core import session as _session
-from ..core.batch_end import EndingPauser, prompt_answerable
-from ..core.errors import UsageError
+from ..core.batch_end import EndingPauser, prompt_answerable, short_traceback
+from ..core.errors import StopError, UsageError
 from ..core.break_on import parse_break_on
 from ..graph import active_capture
 from ..record import record as _record
@@ -42,6 +44,7 @@ class Wiring:
         self.every, self.run_dir, self.run, self.report = every, run_dir, run, report
         self._started: list = []       # what this wiring started, to close in reverse
         self._session = None
+        self._uncaught = None          # its sys.excepthook (read_before_uncaught)
 
     def start(self, model, step: Optional[int] = None, recording: bool = True,
               to=None) -> None:
@@ -112,6 +115,16 @@ class Wiring:
             if isinstance(engine, Watch):
                 read_before_exception(exc, engine)
 
+    def read_before_uncaught(self) -> None:
+        """For a framework with no exception callback (Hugging Face's Trainer): an
+        exception that leaves the program uncaught first has what the watch still holds
+        judged (`read_before`: on a device a NaN read late is reported before the error
+        it led to, as on the CPU), then what was started is closed. Through
+        `sys.excepthook`, while this wiring is started."""
+        if self._started and self._uncaught is None:
+            self._uncaught = _BeforeUncaught(self, sys.excepthook)
+            sys.excepthook = self._uncaught
+
     def close(self, after_error: bool = False) -> None:
         """Close what was started. AFTER_ERROR: the fit ends with an exception (a stop's
         StopError among them): what the watch still holds is not judged then (a stop
@@ -122,6 +135,45 @@ class Wiring:
                 engine.close(_flush=False)
             else:
                 engine.close()
+        hook, self._uncaught = self._uncaught, None
+        if hook is not None:
+            hook.wiring = None
+            if sys.excepthook is hook:
+                sys.excepthook = hook.previous
         session, pauser, self._pauser = self._session, self._pauser, None
         if pauser is not None and session is not None and session.pauser is pauser:
             session.pauser = None
+
+
+class _BeforeUncaught:
+    """`sys.excepthook` while a wiring runs (`Wiring.read_before_uncaught`): the watch's
+    read first, then the hook that was there. A stop that ends the run (StopError,
+    without a terminal) is reported in place of the exception, whose place it names
+    (`then: ...`), in the program's frames (core/batch_end.py); `q` at its prompt ends
+    the run with nothing more printed."""
+
+    def __init__(self, wiring, previous):
+        self.wiring, self.previous = wiring, previous
+
+    def __call__(self, kind, exc, tb) -> None:
+        wiring, self.wiring = self.wiring, None
+        if sys.excepthook is self:
+            sys.excepthook = self.previous
+        if wiring is not None:
+            try:
+                if isinstance(exc, Exception):
+                    wiring.read_before(exc)
+            except bdb.BdbQuit:
+                wiring.close(after_error=True)
+                return
+            except StopError as stop:
+                wiring.close(after_error=True)
+                sys.stderr.write("".join(short_traceback(stop)))
+                sys.stderr.flush()
+                return
+            except BaseException as raised:  # noqa: BLE001 - action='raise': in its place
+                kind, exc, tb = type(raised), raised, raised.__traceback__
+            wiring.close(after_error=True)
+        # (the hook that was there: never sys.excepthook, which may be a hook installed
+        # since, calling this one in turn)
+        self.previous(kind, exc, tb)

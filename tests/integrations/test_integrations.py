@@ -57,9 +57,9 @@ LIGHTNING = """
 """
 
 
-def _python(args, stdin=""):
+def _python(args, stdin="", **env):
     return subprocess.run([sys.executable, *map(str, args)], input=stdin, capture_output=True,
-                          text=True, env=clean_env(), timeout=300)
+                          text=True, env=clean_env(**env), timeout=300)
 
 
 def _on_a_terminal(args, typed: str):
@@ -75,10 +75,10 @@ def _on_a_terminal(args, typed: str):
     return child.exitstatus, child.logfile_read.getvalue().replace("\r\n", "\n")
 
 
-def _without_a_terminal(args):
+def _without_a_terminal(args, **env):
     """`python ARGS` with stdin closed to input (/dev/null), as a scheduler runs a job."""
     return subprocess.run([sys.executable, *map(str, args)], stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True, env=clean_env(), timeout=300)
+                          capture_output=True, text=True, env=clean_env(**env), timeout=300)
 
 
 def _stop_line(out: str) -> str:
@@ -219,7 +219,7 @@ TRANSFORMERS = """
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
     from mldebug.integrations.transformers import MLDebugCallback
 
-    mode, out = sys.argv[1], sys.argv[2]        # plain | clean | bug | record; a folder
+    mode, out = sys.argv[1], sys.argv[2]        # plain | clean | bug | raises | record; a folder
     batch = False if sys.argv[3:] == ["prompt"] else None     # (see LIGHTNING)
 
 
@@ -241,6 +241,9 @@ TRANSFORMERS = """
             loss = out.loss
             if mode == "bug" and self.state.global_step == 2:
                 loss = torch.log(loss - 100.0)  # here
+            if mode == "raises" and self.state.global_step == 2:
+                weights = torch.log(loss - 100.0).expand(2)  # NaN made
+                torch.multinomial(weights, 1)  # raises
             return (loss, out) if return_outputs else loss
 
 
@@ -318,3 +321,41 @@ def test_a_stop_in_a_trainer_run_without_a_terminal_ends_training_with_one_clear
     assert "weights" not in result.stdout
     (stop,) = read_report(tmp_path / "stops.jsonl")
     assert (stop["reason"], stop["step"]) == ("nan", 2)
+
+
+@pytest.mark.parametrize("path", ["cpu", "device"])
+def test_a_nan_that_makes_the_trainer_raise_is_the_stop_on_both_paths(write_program,
+                                                                      tmp_path, path):
+    """A NaN the loss code makes, then an error it leads to (`torch.multinomial` of NaN
+    weights) before the step's read: on a device (the CPU standing in) the watch holds the
+    NaN until the read, and the Trainer has no exception callback; the error leaving the
+    program is where it is read (the callback's sys.excepthook). Both paths stop at the
+    log's line, not the error's; the device path's stop names the error it led to."""
+    prog = write_program(TRANSFORMERS)
+    device = {"MLDEBUG_SIMULATE_DEVICE": "1"} if path == "device" else {}
+    result = _without_a_terminal([prog, "raises", tmp_path], **device)
+    assert result.returncode == 1
+    tail = _traceback_of_the_stop(result.stderr)
+    assert tail[0].startswith("mldebug: stop: 1 NaN from aten.log.default (torch.log) at "
+                              f"prog.py:{marker_line(prog, '# NaN made')} [forward, step 2]"), result.stderr
+    raised = marker_line(prog, "# raises")
+    then = ("then: RuntimeError: probability tensor contains either `inf`, `nan` or element "
+            f"< 0 at prog.py:{raised}")
+    assert (then in tail[0]) == (path == "device"), tail[0]
+    assert [line for line in tail if line.startswith("mldebug.core.errors.StopError: ")] == [
+        f"mldebug.core.errors.StopError: {tail[0]}"]
+    assert "BdbQuit" not in result.stderr and "Error in sys.excepthook" not in result.stderr
+    (stop,) = read_report(tmp_path / "stops.jsonl")
+    assert (stop["reason"], stop["op"], stop["line"], stop["step"]) == (
+        "nan", "aten.log.default", marker_line(prog, "# NaN made"), 2)
+    if path == "device":
+        # at a prompt (commands piped in): paused where the error was raised, its locals
+        # there; `c` then reports the error itself
+        shown = _python([prog, "raises", tmp_path, "prompt"], stdin="p weights\nc\n",
+                        **device)
+        assert shown.returncode == 1
+        assert f"paused at prog.py:{raised}, where the exception it led to" in shown.stdout
+        assert "tensor([nan, nan]" in shown.stdout
+        assert shown.stderr.rstrip().endswith(
+            "RuntimeError: probability tensor contains either `inf`, `nan` or element < 0")
+
