@@ -122,24 +122,6 @@ def host_bad(tensors) -> list:
     return bad
 
 
-def any_nonfinite(tensors) -> bool:
-    """Whether any of TENSORS (floating, checkable) may hold a NaN/Inf: on the CPU one
-    check each, elsewhere one total per device and one read each (rare paths only)."""
-    by_device: dict = {}
-    for x in tensors:
-        if x.is_cpu and HOST_READS:
-            if host_nonfinite(x):
-                return True
-        else:
-            by_device.setdefault(x.device, []).append(x)
-    for xs in by_device.values():
-        with torch.no_grad():
-            total = torch.stack([x.sum(dtype=_F32) for x in xs]).sum()
-        if not _isfinite(total.item()):
-            return True
-    return False
-
-
 # -- the per-op check's mode on the dispatch stack -----------------------------------
 _pop_mode = torch._C._pop_torch_dispatch_stack
 _push_mode = torch._C._push_on_torch_dispatch_stack

@@ -27,8 +27,8 @@ to find the op).
   says so and names what the check saw.
 - The full watch runs on its own for `exact=True` (a sync per op on a device) and while
   the roots are learned (roots.py: from the start to the first optimizer step, or to a
-  root's second call, the global hooks see every call; the roots' calls take the cheap
-  path already).
+  root's second call, the global hooks see every call; only a compiled root takes the
+  cheap path from its first call: the full watch cannot look inside compiled code).
 - Checks on the CPU read memory in place (native_check.py: no op, no read); on a device
   they are held by the ledger (step_ledger.py) and read once: at `optimizer.step()` in
   training, at a call's end otherwise. The ops outside the roots wait in the device
@@ -316,10 +316,8 @@ class Watch(PerOpCheck, Verdict, Taint, DeviceWindow, DeviceReads, Roots, Health
         when the program ends; `close()` does too."""
         if not self._started or _get_ident() != self._owner:
             return
-        if self._win:
-            self._flush_window()
-        if self._ledger:
-            self._read_ledger()
+        if self._win or self._ledger:
+            self._read_ledger()         # (the window's judge goes in first)
         if self._stash:
             self._deliver_stash()
 

@@ -25,8 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core import frames as _frames
 from ..core import cuda_graphs as _cuda_graphs
-from .checks import (_F32, _LOW, _PLAIN, _STRIDED, _SUM_DTYPE, _getframe, _grad_enabled,
-                     _isfinite)
+from .checks import (_LOW, _PLAIN, _STRIDED, _SUM_DTYPE, _getframe, _grad_enabled,
+                     _isfinite, host_bad)
 from .ops import OpInfo
 from .native_check import nonfinite as _native_nonfinite
 
@@ -209,29 +209,7 @@ class PerOpCheck:
                     (cpu if t.is_cpu and _HOST_READS else device).append(t)
         here = self._window_add(func, info, args, kwargs, tuple(outs), device, safe) \
             if device else None
-        if not cpu:
-            return here
-        unread = []
-        for t in cpu:
-            bad = _native_nonfinite(t)             # no op, no read; None: not readable
-            if bad:
-                self._slow(func, info, args, kwargs, outs, None)
-                return
-            if bad is None:
-                unread.append(t)
-        cpu = unread
-        if not cpu:
-            return
-        if len(cpu) > 4:
-            try:
-                total = torch.stack(torch._foreach_norm(cpu, 1, dtype=_F32)).sum()
-                if _isfinite(total.item()):
-                    return
-            except Exception:
-                pass
-        for t in cpu:
-            sum_dtype = _SUM_DTYPE[t.dtype]
-            s = t.sum() if sum_dtype is None else t.sum(dtype=sum_dtype)
-            if not _isfinite(s.item()):
-                self._slow(func, info, args, kwargs, outs, None)
-                return
+        if cpu and host_bad(cpu):
+            self._slow(func, info, args, kwargs, outs, None)
+            return None
+        return here

@@ -129,11 +129,12 @@ def _grads_local() -> bool:
                 and torch.distributed.get_world_size() > 1)
 
 
-def _checkable_grad(p):
+def _nonfinite_grad(p) -> bool:
+    """Whether P's gradient (floating, strided) holds a NaN/Inf: one exact reduction and
+    one read (after a stop only: `_forget_reset_grads`)."""
     g = p.grad
-    if g is not None and g.is_floating_point() and g.layout is _STRIDED and not g.is_meta:
-        return g
-    return None
+    return g is not None and g.is_floating_point() and g.layout is _STRIDED \
+        and not g.is_meta and not bool(torch.isfinite(g).all())
 
 
 # -- the step, as it runs ----------------------------------------------------------------
@@ -243,7 +244,7 @@ class HealthyStep:
     def _check_outputs(self, call, output):
         """The call's floating outputs: checked now (CPU) or at the step's read (a
         device); those that need a gradient keep it, for its backward."""
-        outs = []
+        outs = []       # (rerun.floating_outputs, inline: a call less each root call)
         for t in tensors_in(output):
             if t.is_floating_point() and type(t) in _PLAIN and t.layout is _STRIDED \
                     and not t.is_nested and not t.is_meta:
@@ -441,8 +442,7 @@ class HealthyStep:
         there is new, not accumulated into the old."""
         with self._own_ops():
             self._judged_grads = {k: p for k, p in self._judged_grads.items()
-                                  if _checkable_grad(p) is not None
-                                  and _checks.any_nonfinite([p.grad])}
+                                  if _nonfinite_grad(p)}
 
     def _judge_backward(self, bw, bad):
         """A judge: a gradient of this backward is not finite. An output's gradient: the

@@ -285,6 +285,25 @@ def test_backwards_without_an_optimizer_name_no_micro_batch(device, exact):
     assert [(v.stage, v.step, v.micro_batch) for v in got] == [("backward", None, None)]
 
 
+def test_a_gradient_repaired_in_place_is_judged_afresh(device):
+    """After a stop in backward the program repairs the gradient in place (its
+    non-finite values set to the largest float) and accumulates the next backward into
+    it: a NaN/Inf that backward makes again is a new stop, not taken for the one judged
+    before (the gradient is asked exactly whether it still holds one: a sum of the
+    largest floats overflows)."""
+    model, _, x = setup(device, RootWhen())
+    model.lin1.bias = None               # (the Inf gradient: lin1.weight's alone)
+    got = []
+    with watch(on_violation=got.append):
+        for i in range(5):
+            model(x, bad=i >= 3).pow(2).mean().backward()
+            if i == 3:
+                g = model.lin1.weight.grad
+                g[~torch.isfinite(g)] = torch.finfo(g.dtype).max
+    assert [(v.stage, v.node, v.line) for v in got] == [
+        ("backward", "SqrtBackward0", lineno(RootWhen.forward))] * 2
+
+
 def test_an_eval_forward_between_steps_is_read_at_its_end(device):
     """A forward under no_grad (evaluation) has no step read to wait for: read when it
     returns, after what the training step left waiting."""
