@@ -164,13 +164,28 @@ def _plain(prog, *args) -> str:
     return result.stdout
 
 
+def _same_bits(watched: str, plain: str, prog, *args, lines: int = 1) -> None:
+    """The last LINES of the watched run's output (its weights, printed in hex) are the
+    plain run's. The plain program on this CPU is not always bitwise reproducible itself
+    (once in many runs, on a busy 2-core machine, a plain run of the reentrant
+    checkpointing program printed other last bits): on a mismatch the plain program runs
+    again, and the watched run must equal one of the two. A change the watch makes is
+    not hidden by that: it differs from both."""
+    last = watched.splitlines()[-lines:]
+    if last == plain.splitlines()[-lines:]:
+        return
+    again = _plain(prog, *args).splitlines()[-lines:]
+    assert last == again, (f"the watched run computed other bits: {last}; two plain runs: "
+                           f"{plain.splitlines()[-lines:]}, {again}")
+
+
 def _clean_and_planted(prog, tmp_path, function):
     plain = _plain(prog)
     report = tmp_path / "clean.jsonl"
     clean = run_cli(["--batch", "--report", str(report), str(prog)], timeout=300)
     assert clean.returncode == 0, clean.stderr
     assert read_report(report) == []
-    assert clean.stdout.splitlines()[-1] == plain.splitlines()[-1]   # the same bits
+    _same_bits(clean.stdout, plain, prog)
     report = tmp_path / "bug.jsonl"
     buggy = run_cli(["--batch", "--report", str(report), str(prog), "bug"], timeout=300)
     assert buggy.returncode == 3, buggy.stderr
@@ -200,7 +215,7 @@ def test_lightning_with_a_compiled_module_checks_the_compiled_training_step(writ
     clean = run_cli(["--batch", "--report", str(report), str(prog)], timeout=300)
     assert clean.returncode == 0, clean.stderr
     assert read_report(report) == []
-    assert clean.stdout.splitlines()[-1] == plain.splitlines()[-1]   # the same bits
+    _same_bits(clean.stdout, plain, prog)
     report = tmp_path / "bug.jsonl"
     buggy = run_cli(["--batch", "--report", str(report), str(prog), "bug"], timeout=300)
     assert buggy.returncode == 3, buggy.stderr
@@ -229,7 +244,7 @@ def test_gradient_checkpointing_under_bf16_autocast(write_program, tmp_path):
     plain = _plain(prog)
     clean = run_cli(["--batch", str(prog)], timeout=300)
     assert clean.returncode == 0, clean.stderr
-    assert clean.stdout.splitlines()[-1] == plain.splitlines()[-1]     # the same bits
+    _same_bits(clean.stdout, plain, prog)
     report = tmp_path / "r.jsonl"
     result = run_cli(["--report", str(report), str(prog), "bug"], stdin="c\n" * 8,
                      timeout=300)
@@ -326,7 +341,7 @@ def test_hugging_face_gradient_checkpointing_through_the_trainer_is_clean(write_
                     timeout=300)
     assert clean.returncode == 0, clean.stderr
     assert read_report(report) == []
-    assert clean.stdout.splitlines()[-2:] == plain.splitlines()[-2:]    # the same bits
+    _same_bits(clean.stdout, plain, prog, "clean", kind, lines=2)
 
 
 @pytest.mark.parametrize("where,kind,function", [
