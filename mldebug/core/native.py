@@ -14,6 +14,7 @@ torch when its kernel cannot be had.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import operator
 import os
@@ -84,6 +85,8 @@ def _reach(x: torch.Tensor) -> int:
 
 _first = operator.itemgetter(0)
 _T, _S = torch.Tensor, torch._C.StorageBase
+# (dense without gaps, as a contiguous tensor: its values end at storage_offset + numel)
+_channels_last = functools.partial(_T.is_contiguous, memory_format=torch.channels_last)
 
 
 def with_values(items: list) -> list:
@@ -91,12 +94,14 @@ def with_values(items: list) -> list:
     non-zero), in one call: the watch's device ledger asks it of every tensor it reduces,
     a few hundred a step, where a call each would count on a GPU's launch-bound step.
     First for all at once, in C loops (`map`: no Python frame, ~0.1 us a tensor): when
-    every tensor is contiguous, has elements, an address, and memory up to its last
-    element, all are kept. Else `values_address`'s test, written out in the loop (~0.5 us
-    a tensor: a sliced, expanded or freed tensor, an empty one, a ZeroTensor)."""
+    every tensor is contiguous (or channels-last: dense too), has elements, an address,
+    and memory up to its last element, all are kept. Else `values_address`'s test,
+    written out in the loop (~0.5 us a tensor: a sliced, expanded or freed tensor, an
+    empty one, a ZeroTensor)."""
     xs = list(map(_first, items))
     try:
-        if all(map(_T.numel, xs)) and all(map(_T.is_contiguous, xs)) \
+        if all(map(_T.numel, xs)) and all(map(operator.or_, map(_T.is_contiguous, xs),
+                                              map(_channels_last, xs))) \
                 and all(map(_T.data_ptr, xs)) and all(map(
                 operator.le,
                 map(operator.mul, map(operator.add, map(_T.storage_offset, xs),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bdb
 import sys
+import threading
 from typing import Optional
 
 from ..assertions.scan import AlwaysOn
@@ -120,8 +121,11 @@ class Wiring:
         exception that leaves the program uncaught first has what the watch still holds
         judged (`read_before`: on a device a NaN read late is reported before the error
         it led to, as on the CPU), then what was started is closed. Through
-        `sys.excepthook`, while this wiring is started."""
-        if self._started and self._uncaught is None:
+        `sys.excepthook`, while this wiring is started, and only when it trains on the
+        main thread (the hook runs for the main thread's errors: one raised there while
+        training runs on another thread must not end the training's watch)."""
+        if self._started and self._uncaught is None \
+                and threading.current_thread() is threading.main_thread():
             self._uncaught = _BeforeUncaught(self, sys.excepthook)
             sys.excepthook = self._uncaught
 
@@ -149,8 +153,8 @@ class _BeforeUncaught:
     """`sys.excepthook` while a wiring runs (`Wiring.read_before_uncaught`): the watch's
     read first, then the hook that was there. A stop that ends the run (StopError,
     without a terminal) is reported in place of the exception, whose place it names
-    (`then: ...`), in the program's frames (core/batch_end.py); `q` at its prompt ends
-    the run with nothing more printed."""
+    (`then: ...`), in the program's frames (core/batch_end.py); `q` at its prompt, or at
+    an earlier stop's, ends the run with nothing more printed."""
 
     def __init__(self, wiring, previous):
         self.wiring, self.previous = wiring, previous
@@ -159,6 +163,9 @@ class _BeforeUncaught:
         wiring, self.wiring = self.wiring, None
         if sys.excepthook is self:
             sys.excepthook = self.previous
+        if wiring is not None and isinstance(exc, bdb.BdbQuit):
+            wiring.close(after_error=True)    # `q` at a stop's prompt: the user ended it
+            return
         if wiring is not None:
             try:
                 if isinstance(exc, Exception):

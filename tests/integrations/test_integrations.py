@@ -359,3 +359,36 @@ def test_a_nan_that_makes_the_trainer_raise_is_the_stop_on_both_paths(write_prog
         assert shown.stderr.rstrip().endswith(
             "RuntimeError: probability tensor contains either `inf`, `nan` or element < 0")
 
+
+
+def test_training_on_another_thread_installs_no_exception_hook():
+    """The Trainer callback's read before an uncaught exception is a `sys.excepthook`,
+    which runs for the main thread's errors: a wiring started on another thread
+    (training in a web app's worker) installs none, so an error of the main thread
+    cannot end the training's watch. On the main thread it is there while the wiring
+    runs, and close() removes it."""
+    import threading
+    from mldebug.integrations.wiring import Wiring
+    before, seen = sys.excepthook, []
+
+    def train():
+        wiring = Wiring(batch=True)
+        wiring.start(None)
+        try:
+            wiring.read_before_uncaught()
+            seen.append(sys.excepthook is before)
+        finally:
+            wiring.close()
+
+    worker = threading.Thread(target=train)
+    worker.start()
+    worker.join()
+    assert seen == [True]
+    wiring = Wiring(batch=True)
+    wiring.start(None)
+    try:
+        wiring.read_before_uncaught()
+        assert sys.excepthook is not before
+    finally:
+        wiring.close()
+    assert sys.excepthook is before
