@@ -163,24 +163,27 @@ class _BeforeUncaught:
         wiring, self.wiring = self.wiring, None
         if sys.excepthook is self:
             sys.excepthook = self.previous
-        if wiring is not None and isinstance(exc, bdb.BdbQuit):
-            wiring.close(after_error=True)    # `q` at a stop's prompt: the user ended it
+        if wiring is None:
+            self.previous(kind, exc, tb)
             return
-        if wiring is not None:
-            try:
-                if isinstance(exc, Exception):
-                    wiring.read_before(exc)
-            except bdb.BdbQuit:
-                wiring.close(after_error=True)
-                return
-            except StopError as stop:
-                wiring.close(after_error=True)
-                sys.stderr.write("".join(short_traceback(stop)))
-                sys.stderr.flush()
-                return
-            except BaseException as raised:  # noqa: BLE001 - action='raise': in its place
-                kind, exc, tb = type(raised), raised, raised.__traceback__
+        shown = None          # a stop that ended the run, printed in the exception's place
+        try:
+            if isinstance(exc, bdb.BdbQuit):
+                return        # `q` at an earlier stop's prompt: the user ended the run
+            if isinstance(exc, Exception):
+                wiring.read_before(exc)
+        except bdb.BdbQuit:
+            return            # `q` at the prompt of the read's stop
+        except StopError as stop:
+            shown = "".join(short_traceback(stop))
+        except BaseException as raised:  # noqa: BLE001 - action='raise': in its place
+            kind, exc, tb = type(raised), raised, raised.__traceback__
+        finally:
             wiring.close(after_error=True)
+        if shown is not None:
+            sys.stderr.write(shown)
+            sys.stderr.flush()
+            return
         # (the hook that was there: never sys.excepthook, which may be a hook installed
         # since, calling this one in turn)
         self.previous(kind, exc, tb)
