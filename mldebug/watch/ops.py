@@ -10,6 +10,8 @@ import math
 
 import torch
 
+_increment_version = torch._C._increment_version
+
 # Ops that hand out uninitialized memory (may hold NaN on healthy programs) or only
 # change metadata/storage: never checked.
 UNINITIALIZED = frozenset({
@@ -217,6 +219,8 @@ class OpInfo:
         self.lifted = self.name == "aten.lift_fresh.default"
         # its scalar argument is a value it writes (CONSTANT_WRITERS)
         self.writes = self.short in CONSTANT_WRITERS
+        if self.mutated and self.short.startswith("_foreach_") and self.short.endswith("_"):
+            self.op = _moving_versions(self.op, [key for key, _ in self.mutated])
         self._classify()
 
     def _classify(self):
@@ -249,6 +253,40 @@ class OpInfo:
             self.safe, self.guard, self.prov = 2, widening_to_copy, True
         elif name in ("aten.copy_.default", "aten.copy.default"):
             self.safe, self.guard, self.prov = 2, widening_copy_, True
+
+
+def _moving_versions(op, written):
+    """OP, an in-place foreach op writing the tensor lists at WRITTEN (positions or
+    names), run as without a dispatch mode. Under any mode torch's CPU foreach kernels
+    leave the version counters of what they write where they were (plain torch moves
+    each once; its CUDA kernels move them themselves): autograd would then miss the write
+    to a tensor saved for backward and compute a wrong gradient where plain torch raises
+    "modified by an inplace operation" (a GAN's optimizer step between two backwards).
+    Moved once here when the op did not."""
+    def run(*args, **kwargs):
+        lists = []
+        for key in written:
+            xs = args[key] if isinstance(key, int) and key < len(args) else (
+                kwargs.get(key) if isinstance(key, str) else None)
+            if isinstance(xs, (list, tuple)) and xs:
+                lists.append((xs, _version_of(xs)))
+        out = op(*args, **kwargs)
+        for xs, before in lists:
+            if before is not None and _version_of(xs) == before:
+                _increment_version(xs)
+        return out
+    return run
+
+
+def _version_of(tensors):
+    """(index, version) of the first of TENSORS with a version counter, or None
+    (inference tensors have none; `_increment_version` leaves them alone)."""
+    for i, x in enumerate(tensors):
+        try:
+            return i, x._version
+        except (RuntimeError, AttributeError):
+            continue
+    return None
 
 
 def matches(patterns, names) -> bool:

@@ -36,6 +36,8 @@ CASES = [
     ("max_pool_padding.py", ()),     # -inf padding (full, F.pad) under a max
     ("normalized_embeddings.py", ()),  # F.normalize / norm of an all-zero row: torch's
                                        # backward formula masks its own 0/0
+    ("foreach_optimizer.py", ()),    # Adam(foreach=True), gradients zeroed in place and
+                                     # clipped by foreach kernels
 ]
 IDS = [f"{name[:-3]}{'-' + '-'.join(args) if args else ''}" for name, args in CASES]
 RUNS = {"plain": [sys.executable],

@@ -166,6 +166,36 @@ def test_healthy_training_is_bitwise_identical_with_the_watch():
     assert plain["model"].training == watched["model"].training
 
 
+FOREACH_WRITES = {
+    "add_ (scalar)": lambda xs, ys: torch._foreach_add_(xs, 1.0),
+    "add_ (list)": lambda xs, ys: torch._foreach_add_(xs, ys, alpha=-0.1),
+    "mul_ (safe: |s| <= 1)": lambda xs, ys: torch._foreach_mul_(xs, 0.5),
+    "zero_": lambda xs, ys: torch._foreach_zero_(xs),
+    "copy_": lambda xs, ys: torch._foreach_copy_(xs, ys),
+    "lerp_": lambda xs, ys: torch._foreach_lerp_(xs, ys, 0.5),
+}
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["tiers", "exact"])
+@pytest.mark.parametrize("write", list(FOREACH_WRITES))
+def test_an_in_place_foreach_op_moves_version_counters_as_without_the_watch(write, exact):
+    # under any dispatch mode torch's CPU foreach kernels leave the counters where they
+    # were: autograd then misses the write to a tensor saved for backward
+    def versions_moved():
+        xs = [torch.ones(3), torch.ones(2, 2), torch.ones(1)]
+        ys = [torch.full_like(x, 2.0) for x in xs]
+        before = [x._version for x in xs]
+        FOREACH_WRITES[write](xs, ys)
+        return [x._version - v for x, v in zip(xs, before)], xs
+
+    plain, plain_values = versions_moved()
+    with watch(action="raise", exact=exact) as w:
+        watched, watched_values = versions_moved()
+    assert w.violations == []
+    assert plain == [1, 1, 1] and watched == plain
+    assert all(torch.equal(a, b) for a, b in zip(plain_values, watched_values))
+
+
 # -- raising ---------------------------------------------------------------------------
 def test_raise_reaches_user_code_in_forward_and_cleans_up():
     with pytest.raises(NonFiniteError) as info:

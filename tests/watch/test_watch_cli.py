@@ -60,6 +60,41 @@ NAN_AND_GO_ON = """
 """
 
 
+UPDATE_BETWEEN_BACKWARDS = """
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    params = list(model.parameters())
+    for step in range(3):
+        out = model(torch.randn(8, 4))
+        out.pow(2).mean().backward(retain_graph=True)
+        with torch.no_grad():   # the bug: the weights change before the second backward
+            torch._foreach_add_(params, [p.grad for p in params], alpha=-0.1)
+        out.sum().backward()  # here
+        print("step", step, "computed")
+"""
+
+
+@pytest.mark.parametrize("mode", ["on-cpu", "on-device", "exact"])
+def test_a_weight_written_before_the_backward_that_needs_it_raises_as_without_mldebug(
+        write_program, mode):
+    # (a foreach update under the watch's dispatch mode once moved no version counter:
+    # the program went on with wrong gradients where torch raises)
+    prog = write_program(UPDATE_BETWEEN_BACKWARDS)
+    plain = subprocess.run([sys.executable, str(prog)], capture_output=True, text=True,
+                           env=clean_env())
+    assert plain.returncode == 1 and "modified by an inplace operation" in plain.stderr
+    env = clean_env(MLDEBUG_SIMULATE_DEVICE="1") if mode == "on-device" else clean_env()
+    watched = run_cli(["--batch", "--watch", "exact" if mode == "exact" else "on",
+                       str(prog)], env=env)
+    assert "computed" not in watched.stdout, watched.stdout
+    assert watched.returncode == 1, watched.stderr
+    assert "modified by an inplace operation" in watched.stderr
+    assert "stop: uncaught RuntimeError" in watched.stderr
+    assert f"at {prog.name}:{marker_line(prog)}" in watched.stderr
+
+
 def test_continue_resumes_and_the_next_root_cause_stops_again(write_program):
     prog = write_program(NAN_AND_GO_ON)
     result = run_cli([str(prog)], stdin="p x\nc\nc\n")
