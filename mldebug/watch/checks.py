@@ -22,6 +22,10 @@ _LOW = frozenset(d for d in (torch.float16, torch.bfloat16,
 _isfinite = math.isfinite
 _is_cpu = operator.attrgetter("is_cpu")     # (in map(): no Python call per tensor)
 _grad_enabled = torch.is_grad_enabled
+# inside torch.func's vmap / grad / jacrev a module's tensors are functorch's wrappers
+# (no memory to read, no `.item()`): the watch's module hooks step aside there, and the
+# per-op check sees the ops on the tensors underneath
+_in_transform = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 _BackwardCFunction = torch.autograd.function.BackwardCFunction
 # floating dtype -> dtype to sum in (None: its own; float32 for the low-precision ones,
 # whose sum would overflow); missing: not checked (integer, bool, complex)

@@ -74,7 +74,7 @@ from . import compiled as _compiled
 from . import data_origin as _data_origin
 from . import dispatch as _dispatch
 from .amp import LossScaling
-from .checks import _ALLOWED, METADATA_KEY, _caller, pop_if_top, push
+from .checks import _ALLOWED, METADATA_KEY, _caller, _in_transform, pop_if_top, push
 from .compiled import CompiledBoundary
 from .context import ModuleNames
 from .device_window import DeviceWindow
@@ -381,7 +381,7 @@ class Watch(PerOpCheck, Verdict, Taint, DeviceWindow, DeviceReads, Roots, Health
     # -- the global module hooks: the full watch's module stack, learning the roots --
     def _module_pre(self, module, args):
         if _dynamo_compiling() or _FLAG._is_compiling_flag or self._skip \
-                or _get_ident() != self._owner:
+                or _get_ident() != self._owner or _in_transform():
             return None
         if self._inside or not (self.exact or self._learning or self._rerunning):
             # a root's call runs, or a compiled root kept these hooks: the cheap path
@@ -421,7 +421,7 @@ class Watch(PerOpCheck, Verdict, Taint, DeviceWindow, DeviceReads, Roots, Health
 
     def _module_post(self, module, args, output):
         if _dynamo_compiling() or _FLAG._is_compiling_flag or self._skip \
-                or _get_ident() != self._owner:
+                or _get_ident() != self._owner or _in_transform():
             return None
         if self._inside or not (self.exact or self._learning or self._rerunning):
             return self._root_post(module, args, None, output)

@@ -45,8 +45,8 @@ from ..core import replay as _replay
 from ..core.errors import NonFiniteError
 from ..core.structs import tensors_in
 from . import checks as _checks
-from .checks import (_PLAIN, _STRIDED, _caller, _counts, _is_cpu, _isfinite,
-                     host_nonfinite, pop_if_top, push)
+from .checks import (_PLAIN, _STRIDED, _caller, _counts, _in_transform, _is_cpu,
+                     _isfinite, host_nonfinite, pop_if_top, push)
 from .checks import host_bad as host_bad_of
 from .roots import (RootCall, _Backward, _KeepGrad, _clone_all, _copy_args,
                     _versions, autocast_state, rng_state)
@@ -149,8 +149,10 @@ class HealthyStep:
             self._inside += 1
             return None
         if self._skip or _get_ident() != self._owner or self._rerunning \
-                or self._in_backward or self._opt_depth or _graph_task_id() != -1:
-            return None   # (a re-run's own call; a checkpoint recomputing inside backward)
+                or self._in_backward or self._opt_depth or _graph_task_id() != -1 \
+                or _in_transform():
+            return None   # (a re-run's own call; a checkpoint recomputing inside backward;
+                          # torch.func's wrappers: checked op by op, checks._in_transform)
         if _cuda_graphs.MAYBE[0] and cuda_graph_aside():
             self._captured_call_begins()
             return None

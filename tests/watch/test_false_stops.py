@@ -38,6 +38,8 @@ CASES = [
                                        # backward formula masks its own 0/0
     ("foreach_optimizer.py", ()),    # Adam(foreach=True), gradients zeroed in place and
                                      # clipped by foreach kernels
+    ("per_sample_grads.py", ()),     # torch.func: vmap(grad(...)) over functional_call,
+                                     # jacrev, a gradient penalty
 ]
 IDS = [f"{name[:-3]}{'-' + '-'.join(args) if args else ''}" for name, args in CASES]
 RUNS = {"plain": [sys.executable],

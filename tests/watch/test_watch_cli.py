@@ -95,6 +95,47 @@ def test_a_weight_written_before_the_backward_that_needs_it_raises_as_without_ml
     assert f"at {prog.name}:{marker_line(prog)}" in watched.stderr
 
 
+PER_SAMPLE_NAN = """
+    import torch
+    from torch import nn
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(16, 3), torch.randn(16, 1)
+
+    def sample_loss(params, xi, yi):
+        out = functional_call(model, params, (xi.unsqueeze(0),))
+        return torch.log(out - yi).mean()     # here: a negative difference for some
+
+    for step in range(3):
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        per_sample = vmap(grad(sample_loss), in_dims=(None, 0, 0))(params, x, y)
+        for p, g in zip(model.parameters(), per_sample.values()):
+            p.grad = g.mean(0)
+        opt.step()
+        print("stepped", step)
+"""
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_a_nan_inside_torch_func_vmap_stops_at_its_line(write_program, tmp_path, path):
+    # (the model's call inside vmap once had its wrapped outputs read with .item(): the
+    # host path ended in vmap's RuntimeError)
+    prog = write_program(PER_SAMPLE_NAN)
+    report = tmp_path / "r.jsonl"
+    env = clean_env(MLDEBUG_SIMULATE_DEVICE="1") if path == "device" else clean_env()
+    if path == "host":
+        env.pop("MLDEBUG_SIMULATE_DEVICE", None)
+    result = run_cli(["--batch", "--report", str(report), str(prog)], env=env)
+    assert result.returncode == 3, result.stderr
+    assert "vmap" not in result.stderr, result.stderr
+    (stop,) = read_report(report)
+    assert stop["op"] == "aten.log.default" and stop["stage"] == "forward", stop
+    assert (stop["file"], stop["line"]) == (str(prog), marker_line(prog)), stop
+
+
 def test_continue_resumes_and_the_next_root_cause_stops_again(write_program):
     prog = write_program(NAN_AND_GO_ON)
     result = run_cli([str(prog)], stdin="p x\nc\nc\n")
