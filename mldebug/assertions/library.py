@@ -72,9 +72,12 @@ class GradNotZeroed(ParamAssertion):
 
     Judged per optimizer at `step()`: a parameter is stale when, at the start of the last
     backward before this step, its `.grad` was still the very tensor (same object, same
-    version counter) that its optimizer's previous step left behind. Judging at the step
-    and not at backward keeps GANs quiet: G's backward also accumulates into D's stale
-    gradients, which is harmless because D zeroes them before D's own step."""
+    version counter) that its optimizer's previous step left behind, and held a value
+    other than zero: a write the version counter does not see (`p.grad.data.zero_()`, an
+    old idiom) leaves zeros, and adding to zeros is no accumulation. Those values are
+    asked only of such gradients, all at once (one read) as the backward starts. Judging
+    at the step and not at backward keeps GANs quiet: G's backward also accumulates into
+    D's stale gradients, which is harmless because D zeroes them before D's own step."""
 
     name = "grad_not_zeroed"
     message = "gradients were not zeroed before backward: this step uses the sum of this and earlier steps' gradients"
@@ -85,6 +88,7 @@ class GradNotZeroed(ParamAssertion):
         super().__init__(**kw)
         self._after_step = _PerParam()   # param -> (weakref(grad), version) after its step
         self._stale = _PerParam()        # param -> stale at the last backward start
+        self._unchanged: list = []       # (param, grad) as its step left it: judged at finish
 
     def check(self, name, param, grad) -> bool:
         if self.stage == OPTIMIZER:
@@ -96,14 +100,32 @@ class GradNotZeroed(ParamAssertion):
             return True
         if self.stage == BEFORE_BACKWARD:
             rec = self._after_step.get(param)
-            stale = (rec is not None and grad is not None and rec[0]() is grad
-                     and rec[1] == grad._version)
-            self._stale.set(param, stale)
+            unchanged = (rec is not None and grad is not None and rec[0]() is grad
+                         and rec[1] == grad._version)
+            self._stale.set(param, False)
+            if unchanged:
+                self._unchanged.append((param, grad))
             return True
         # BEFORE_STEP
         if grad is not None and self._stale.get(param, False):
             self.detail = f"{name}.grad accumulated on top of the previous step's gradient"
             return False
+        return True
+
+    def finish(self) -> bool:
+        """As the backward starts: of the gradients left as their step left them, those
+        that hold a value other than zero are stale (one reduction, one read)."""
+        if self.stage != BEFORE_BACKWARD or not self._unchanged:
+            return True
+        unchanged, self._unchanged = self._unchanged, []
+        with torch.no_grad():
+            try:
+                norms = torch.stack(torch._foreach_norm(
+                    [g.detach() for _, g in unchanged], 1, dtype=torch.float32)).tolist()
+            except (RuntimeError, TypeError):      # (several devices, an odd dtype)
+                norms = [float(g.detach().abs().sum()) for _, g in unchanged]
+        for (param, _), norm in zip(unchanged, norms):
+            self._stale.set(param, norm != 0.0)
         return True
 
 

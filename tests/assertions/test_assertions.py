@@ -125,6 +125,29 @@ def test_gan_style_cross_accumulation_is_not_a_forgotten_zero_grad():
     assert [v.assertion for v in stops] == []
 
 
+@pytest.mark.parametrize("idiom", ["zeroed through .data", "halved through .data"])
+def test_a_gradient_written_where_its_version_counter_does_not_see_is_judged_by_its_values(
+        idiom):
+    # `p.grad.data.zero_()` (an old idiom) moves no version counter: the gradients are
+    # zero, as after zero_grad(), and adding to zeros is no accumulation; halved, the
+    # last step's gradient is still in the sum
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    stops = []
+    with Runner(on_violation=stops.append):
+        for _ in range(4):
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+            for p in model.parameters():
+                if idiom == "zeroed through .data":
+                    p.grad.data.zero_()
+                else:
+                    p.grad.data.mul_(0.5)
+    expected = [] if idiom == "zeroed through .data" else ["grad_not_zeroed"]
+    assert [v.assertion for v in stops] == expected
+
+
 def test_custom_assertions_of_every_kind():
     path = PROGRAMS / "custom_kinds.py"
     stops, runner = run_program(path)
