@@ -491,8 +491,9 @@ class Runner:
         except Exception as exc:  # noqa: BLE001 - a broken check must not end the program
             if a.name not in self._warned:
                 self._warned.add(a.name)
+                first = (str(exc).splitlines() or [""])[0][:300]   # (torch's can be 100 lines)
                 _frames.warn_at_user_line(f"mldebug: assertion {a.name!r} raised "
-                                          f"{type(exc).__name__}: {exc}; it is switched off")
+                                          f"{type(exc).__name__}: {first}; it is switched off")
             a.enabled = False
             return None
 

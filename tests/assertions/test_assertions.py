@@ -148,6 +148,47 @@ def test_a_gradient_written_where_its_version_counter_does_not_see_is_judged_by_
     assert [v.assertion for v in stops] == expected
 
 
+def test_a_gradient_that_is_zero_most_steps_is_measured_against_the_steps_it_moved():
+    # a WGAN critic's bias gets exactly 0 while the loss is a difference of means; a
+    # hinge loss's gradient is 0 on the batches it gets right: no history to jump above
+    torch.manual_seed(0)
+    critic = nn.Linear(4, 1)
+    opt = torch.optim.SGD(critic.parameters(), lr=0.01)
+    real, fake = torch.randn(8, 4) + 1, torch.randn(8, 4)
+    stops = []
+    with Runner(on_violation=stops.append):
+        for step in range(8):
+            loss = critic(fake).mean() - critic(real).mean()
+            if step >= 4:          # a drift penalty switched on: the bias moves now
+                loss = loss + 0.1 * critic(real).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert [v.assertion for v in stops] == []
+
+
+def test_sparse_gradients_are_no_trouble_for_the_gradient_assertions():
+    import warnings
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(50, 8, sparse=True), nn.Linear(8, 2)
+    opt_s = torch.optim.SparseAdam(emb.parameters(), lr=1e-2)
+    opt_d = torch.optim.Adam(head.parameters(), lr=1e-2)
+    ids, y = torch.randint(0, 50, (16, 5)), torch.randint(0, 2, (16,))
+    stops = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Runner(on_violation=stops.append):
+            for _ in range(5):
+                loss = nn.functional.cross_entropy(head(emb(ids).mean(1)), y)
+                opt_s.zero_grad()
+                opt_d.zero_grad()
+                loss.backward()
+                opt_s.step()
+                opt_d.step()
+    assert stops == []
+    assert [str(w.message) for w in caught if "mldebug" in str(w.message)] == []
+
+
 def test_custom_assertions_of_every_kind():
     path = PROGRAMS / "custom_kinds.py"
     stops, runner = run_program(path)
