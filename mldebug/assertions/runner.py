@@ -35,8 +35,9 @@ from torch.overrides import TorchFunctionMode
 from ..core import autograd_patch as _autograd_patch
 from ..core import cuda_graphs as _cuda_graphs
 from ..core import frames as _frames
+from ..core import jit_trace as _jit_trace
 from ..core import replay as _replay
-from ..core.quiet import own_work, watch_suspended
+from ..core.quiet import QUIET, own_work, watch_suspended
 from ..core.records import Violation
 from ..core.session import current
 from ..core.structs import tensors_in
@@ -70,10 +71,12 @@ def _around_backward(proceed, tensors, grad_tensors, args, kwargs):
 
 def _patch_backward() -> None:
     _autograd_patch.add(_around_backward)
+    _jit_trace.add(_around_backward)      # (torch.jit.trace runs quiet: core/jit_trace.py)
 
 
 def _unpatch_backward() -> None:
     _autograd_patch.remove(_around_backward)
+    _jit_trace.remove(_around_backward)
 
 
 _tensors = tensors_in   # (the engine's one walk: mldebug/structs.py)
@@ -241,6 +244,7 @@ class Runner:
         # only the innermost runner (scan() inside the CLI's) hears the events
         return (self._started and not self._busy and _get_ident() == self._owner
                 and _RUNNERS and _RUNNERS[-1] is self and not _replay._depth
+                and not QUIET[0]
                 and not _cuda_graphs.step_aside("assertions", _cuda_graphs.ASSERTIONS_NOTE))
 
     # -- what is known ------------------------------------------------------------------
@@ -558,7 +562,10 @@ class Runner:
 
     # -- quiet: our own ops are not the program's ----------------------------------------
     def _quiet(self):
-        return _Quiet(self)
+        """mldebug's own work (QUIET, which `_listening` reads: our hooks ignore what we
+        run): the graph capture and the watch look away; autograd keeps recording (a
+        check may need a gradient)."""
+        return own_work(keep_grad=True)
 
 
 def _grad_norms(params) -> dict:
@@ -568,29 +575,6 @@ def _grad_norms(params) -> dict:
     grads = [g for g in grads
              if g is not None and g.is_floating_point() and g.layout == torch.strided]
     return dict(zip(map(id, grads), l2_norms(grads)))
-
-
-class _Quiet:
-    """Busy (our hooks ignore what we run) and mldebug's own work: the graph capture and
-    the watch look away; autograd keeps recording (a check may need a gradient)."""
-
-    __slots__ = ("runner", "inner")
-
-    def __init__(self, runner):
-        self.runner = runner
-        self.inner = own_work(keep_grad=True)
-
-    def __enter__(self):
-        self.runner._busy += 1
-        self.inner.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        try:
-            self.inner.__exit__(*exc)
-        finally:
-            self.runner._busy -= 1
-        return False
 
 
 def _refresh_runners() -> None:

@@ -68,6 +68,13 @@ def looking_away():
     return watch.suspended() if watch is not None else contextlib.nullcontext()
 
 
+def watch_off():
+    """Context manager: the watch looks away on this thread and its dispatch mode is off
+    the stack (TorchScript's trace checker runs ops a mode cannot pass on)."""
+    watch = _watch_on_this_thread()
+    return watch._own_ops() if watch is not None else contextlib.nullcontext()
+
+
 def own_call(fn):
     """Decorator of an entry point of mldebug's own computations: the watch looks away
     while it runs (on the watch's thread; elsewhere the watch sees nothing anyway)."""

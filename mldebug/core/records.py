@@ -58,6 +58,9 @@ class Violation:
     # a non-finite constant the program wrote on purpose (file:line is that write) has
     # reached what it must not: e.g. 'the model call Net at train.py:31', 'the loss'
     reached: str = ""
+    # ... not written but made by an op where no gradient flows through it: 'torch.log
+    # of 0' (the -Inf of log(0): a log-space mask); '' otherwise
+    made_by: str = ""
     # what the value led to before it was read: 'ValueError: ... at policy.py:9', the
     # exception that ended the program there (watch/before_exception.py)
     then: str = ""
@@ -120,7 +123,9 @@ class Violation:
             cause = f"; {made} from {self.made_from()}" if self.created else (
                 f"; it came in through {self.culprit or 'an input'}, made outside the watched ops")
             if self.reached:
-                cause = f"; written there on purpose, it reaches {self.reached}"
+                cause = (f"; made there by {self.made_by}, it reaches {self.reached}"
+                         if self.made_by else
+                         f"; written there on purpose, it reaches {self.reached}")
             if self.data:
                 cause += f"; in the data: {data_text(self.data)}"
         if self.then:

@@ -28,6 +28,7 @@ import io
 import linecache
 import math
 import os
+import re
 import tokenize
 from dataclasses import dataclass
 from typing import Callable
@@ -467,6 +468,9 @@ def _edge_node(f):
     return _EDGE_NODES.get(f.v.node.split("Backward")[0]) if f.v.node else None
 
 
+_TORCH_NODE = re.compile(r"Backward\d+$")     # torch's formulas: AddmmBackward0
+
+
 @rule("masked_branch_gradient",
       reads="stage, node, incoming (the gradient is 0 where the NaN is made)")
 def _masked_branch_gradient(f):
@@ -474,8 +478,8 @@ def _masked_branch_gradient(f):
     if f.v.stage != "backward" or not f.v.nan or not incoming or not incoming["zero_at_bad"]:
         return None
     fn = f.v.node.split("Backward")[0].lower() if f.v.node else "the op"
-    if fn in ("where", "maskedfill", "index", ""):
-        return None
+    if fn in ("where", "maskedfill", "index", "") or not _TORCH_NODE.search(f.v.node or ""):
+        return None     # (an autograd.Function's backward, `SafeNormBackward`: the program's)
     return (f"the gradient reaching {f.v.node} is 0 wherever it makes NaN (0 × Inf or 0/0): "
             f"the value {fn} made there was discarded (torch.where, masked_fill or "
             f"indexing), but its gradient still flows through {fn}, whose derivative "

@@ -23,7 +23,11 @@ The stop rule
     arguments (overflow in exp/matmul, log(0), division by zero, an infinite derivative,
     fp16 overflow). An Inf written deliberately as a constant (`masked_fill(..., -inf)`,
     `full`, `fill_`, `torch.where` with an inf scalar, any op with an inf scalar argument)
-    or merely flowing on from an input (scores + (-inf) mask) is not a stop.
+    or merely flowing on from an input (scores + (-inf) mask) is not a stop. Neither is
+    log(0) = -inf inside a model where no gradient flows (T5's relative-position
+    buckets): judged as a constant written (below), a stop where it reaches the model's
+    output, the loss, a gradient or a parameter (ops.LOG_AT_ZERO); nor CTCLoss's +inf
+    under zero_infinity=True, which torch zeroes.
     A NaN or Inf the program writes on purpose (`x[mask] = nan`, `fill_`, `masked_fill`,
     `full`, `index_fill`, `torch.where(c, x, nan)`, a `torch.tensor([...])` literal) is
     not a stop where it is written nor where it flows on; it is a stop where it first

@@ -11,6 +11,7 @@ import sys
 import torch
 from torch import Tensor
 
+from ..core.frames import is_user_file as _is_user_file
 from ..summaries import nonfinite_counts, summary
 from .native_check import nonfinite as _native_nonfinite
 from .native_check import nonfinite_each as _native_nonfinite_each
@@ -103,6 +104,25 @@ def torch_formula(node) -> bool:
     """Whether NODE (the autograd node running, or None) is one of torch's own backward
     formulas, not a backward the program wrote (an autograd.Function's)."""
     return node is not None and not isinstance(node, _BackwardCFunction)
+
+
+_ENGINE_CODE = getattr(getattr(torch.autograd.graph, "_engine_run_backward", None),
+                       "__code__", None)
+
+
+def user_code_in_backward(frame):
+    """The frame of the program's code that runs an op during backward (a tensor hook, a
+    backward it wrote, a post-accumulate-grad hook), found above FRAME (the op's caller)
+    before the autograd engine's entry; None when the op is the engine's own (a node's
+    formula: its forward op's provenance says where)."""
+    while frame is not None:
+        code = frame.f_code
+        if code is _ENGINE_CODE:
+            return None
+        if _is_user_file(code.co_filename):
+            return frame
+        frame = frame.f_back
+    return None
 
 
 def host_nonfinite(x) -> bool:

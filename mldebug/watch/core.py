@@ -62,6 +62,7 @@ from torch import Tensor
 from ..core import autograd_patch as _autograd_patch
 from ..core import cuda_graphs as _cuda_graphs
 from ..core import frames as _frames
+from ..core import jit_trace as _jit_trace
 from ..core import quiet as _quiet
 from ..core.break_on import parse_break_on
 from ..core.compile import FLAG as _FLAG
@@ -177,6 +178,8 @@ class Watch(PerOpCheck, Verdict, Taint, DeviceWindow, DeviceReads, Roots, Health
         self._marks: dict = {}      # storage ptr -> (weakref, version, Mark): of those, the
                                     # values written on purpose or flowing from one (marks.py)
         self._nan_marks: dict = {}  # storage ptr -> weakref: of those, the ones with a NaN
+        self._log_marks = False     # a log(0) inside a model was judged a value (ops.py
+                                    # LOG_AT_ZERO): the outermost calls' outputs look for it
         self._flowed_mark = None    # the Mark of the last value judged to flow from one
         self._late = None           # (frame, text) while read before an exception
         self._in_formula: list = []  # (node, output, violation): a NaN/Inf made inside
@@ -247,6 +250,7 @@ class Watch(PerOpCheck, Verdict, Taint, DeviceWindow, DeviceReads, Roots, Health
             ]
             # (exact mode too: stops found on autograd's device threads pause after it)
             _autograd_patch.add(self._around_backward)
+            _jit_trace.add(self)            # (torch.jit.trace runs with the watch suspended)
             self._amp.start()
             self._graphs_start()            # a CUDA graph's outputs, after its replays
         except BaseException:
@@ -289,6 +293,7 @@ class Watch(PerOpCheck, Verdict, Taint, DeviceWindow, DeviceReads, Roots, Health
             self._handles, self._root_hooks = [], []
             self._remove_module_hooks()
             _autograd_patch.remove(self._around_backward)
+            _jit_trace.remove(self)
             self._graphs_close()
             _compiled.uninstall()
             _data_origin.uninstall()
@@ -439,6 +444,8 @@ class Watch(PerOpCheck, Verdict, Taint, DeviceWindow, DeviceReads, Roots, Health
                 record = record[1]
             if record is not None:
                 self._top = record[1]
+        if self._top is None and self._log_marks:
+            self._check_output_marks(module, output)
         if self._learning and not self._rerunning:
             self._learn_post(module, args, _caller(1))
             if self._top is None and self._learned:

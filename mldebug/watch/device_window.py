@@ -9,6 +9,7 @@ Mixed into `Watch` (core.py).
 """
 from __future__ import annotations
 
+import math
 import weakref
 from functools import partial
 
@@ -18,8 +19,10 @@ from torch import Tensor
 from ..core import cuda_graphs as _cuda_graphs
 from ..core import frames as _frames
 from ..core.structs import tensors_in
-from .checks import _F32, METADATA_KEY, _counts, _floating, _getframe, _isfinite
+from .checks import (_F32, METADATA_KEY, _counts, _floating, _getframe, _grad_enabled,
+                     _isfinite, user_code_in_backward)
 from .context import module_record
+from .ops import LOG_AT_ZERO
 from .step_ledger import cuda_graph_aside, first_bad
 
 _current_node = torch._C._current_autograd_node
@@ -83,6 +86,13 @@ class DeviceWindow:
             stage, node_name = "backward", node.name()
             node_prov = node.metadata.get(METADATA_KEY)
             here = None
+            try:
+                f = user_code_in_backward(_getframe(2))
+            except ValueError:               # (autograd's device thread: no caller)
+                f = None
+            if f is not None:                # a hook's op, or a backward the program
+                node_prov = None             # wrote: its own line, as on the CPU
+                here = (f.f_code.co_filename, f.f_lineno, f.f_code.co_name)
             if not self._bwd_queued:
                 self._bwd_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
@@ -93,18 +103,26 @@ class DeviceWindow:
                 f = _getframe(2)
             except ValueError:               # (no Python caller that deep)
                 f = None
+            called = None                    # a module call between it and the user
             while f is not None:
-                name = f.f_code.co_filename
+                code = f.f_code
+                name = code.co_filename
                 user = _USER.get(name)
                 if user is None:
                     user = _is_user_file(name)
                 if user:
                     break
+                if called is None and code in _CALL_CODES:
+                    called = f
                 f = f.f_back
             here = (f.f_code.co_filename, f.f_lineno, f.f_code.co_name) if f is not None else None
-            if self._top is None and f is not None and f.f_back is not None \
-                    and f.f_back.f_code in _CALL_CODES:
-                record = module_record(f)      # (a module outside the roots)
+            if self._top is None:
+                # (a module outside the roots: a library's, called by a library function
+                # such as `generate`, or the user's own)
+                if called is not None:
+                    record = module_record(called)
+                elif f is not None and f.f_back is not None and f.f_back.f_code in _CALL_CODES:
+                    record = module_record(f)
         # inputs already judged non-finite, noted now: they may be freed by the time the
         # window is read (a temporary), and then nothing says where their values came from
         prior = None
@@ -122,10 +140,12 @@ class DeviceWindow:
         # is gone by the read, an earlier op of the window that wrote there tells what it
         # held (identity cannot: a factory's output that the ledger holds reaches the
         # program as another Python object)
-        tensors = nested = False
+        tensors = nested = grad = False      # (grad: an input requires one)
         for x in args:
             if isinstance(x, Tensor):
                 tensors = True
+                if x.requires_grad:
+                    grad = True
             elif isinstance(x, (list, tuple, dict)):
                 nested = True
                 break
@@ -178,7 +198,9 @@ class DeviceWindow:
                 pass
         self._win.append((slots, func, info, wargs, wkwargs, wouts,
                           (stage, node_name, node_prov, record, here, self._micro), prior,
-                          flat[0].dtype, safe, memory, written))
+                          flat[0].dtype, safe, memory, written,
+                          _grad_enabled() and (grad or (nested or bool(kwargs)) and
+                                               _any_requires_grad(args, kwargs))))
         if len(self._win) >= WINDOW_MAX:
             self._flush_window()
         return here
@@ -213,7 +235,7 @@ class DeviceWindow:
                           # op of this window that wrote there; a stop came before it;
                           # the Mark of a value written on purpose, or None)
         for (slots, func, info, wargs, wkwargs, wouts, entry, prior, dtype, safe, memory,
-             written) in win:
+             written, grad) in win:
             value = first_bad(values, slots)
             if value is None or (safe and not self._taint):
                 # (safe: what the host path would not have checked: a NaN/Inf that came
@@ -246,11 +268,11 @@ class DeviceWindow:
             if not live:
                 # freed before the window was read: judged by its norm instead (counts
                 # are then those of the norm)
-                outs = (torch.tensor(value),)
+                outs = (_stand_in(value, info, grad),)
                 note = "the output was freed before the window was read: judged by its norm"
             elif not any(sum(_counts(t)) for t in live if _floating(t)):
                 # written over since (`x.nan_to_num_()`): the same, by its norm
-                outs = (torch.tensor(value),)
+                outs = (_stand_in(value, info, grad),)
                 note = ("the output was written over before the window was read: judged "
                         "by its norm")
             else:
@@ -287,6 +309,21 @@ class DeviceWindow:
                 if rec[2]:
                     self._nan_marks[address] = storage_ref
         return mark[2] if mark is not None else None
+
+
+def _any_requires_grad(args, kwargs) -> bool:
+    """Whether an input of the op requires grad (its output, below autograd, has no
+    `requires_grad` yet): what a stand-in of the output is judged with."""
+    return any(t.requires_grad for t in tensors_in((args, kwargs)))
+
+
+def _stand_in(norm, info, grad) -> Tensor:
+    """What is judged of an op's output that is gone: its norm (NaN, or the largest
+    magnitude), requiring grad as the output did. The norm has no sign; a log's output,
+    infinite where its input was finite, is -inf (log(0): ops.LOG_AT_ZERO)."""
+    if info.short in LOG_AT_ZERO and norm == math.inf:
+        norm = -math.inf
+    return torch.tensor(norm, requires_grad=grad)
 
 
 def _writes_nonfinite(args, kwargs) -> bool:

@@ -62,14 +62,19 @@ class Mark:
     (what its first reader sees); the values that flow from it carry `flowing()`. Once a
     stop was made of it (`stopped`), what flows from it descends from that stop."""
 
-    __slots__ = ("file", "line", "function", "written", "origin", "_flowing", "_stopped")
+    __slots__ = ("file", "line", "function", "written", "origin", "_flowing", "_stopped",
+                 "made_by", "op")
 
-    def __init__(self, file, line, function, written=True, origin=None):
+    def __init__(self, file, line, function, written=True, origin=None, made_by="", op=None):
         self.file, self.line, self.function = file, line, function
         self.written = written
         self.origin = origin or self
         self._flowing = None
         self._stopped = False
+        # not a constant written but the op that made it where no gradient flows:
+        # 'torch.log of 0' (ops.LOG_AT_ZERO), OP its (aten name, torch name); '' for a
+        # constant
+        self.made_by, self.op = made_by, op
 
     def flowing(self) -> "Mark":
         if not self.written:
@@ -174,6 +179,16 @@ class WrittenMarks:
         what = f"the model call {type(module).__name__} at {_short(site)}"
         self._marks_reach(tensors_in((args, kwargs)), what, True, backwards)
 
+    def _check_output_marks(self, module, output) -> None:
+        """An outermost module call returned (under the full watch: learning the roots,
+        `exact`, a re-run): the -Inf a log(0) made inside it where no gradient flowed
+        (ops.LOG_AT_ZERO) is a value while it stays inside, a stop once it is returned."""
+        site = _frames.user_location(_caller(2))
+        what = f"the output of the model call {type(module).__name__} at {_short(site)}"
+        made = [t for t in tensors_in(output) if t.is_floating_point()
+                and (m := self._mark_get(t)) is not None and m.origin.made_by]
+        self._marks_reach(made, what, False, None)
+
     def _check_loss_marks(self, roots, site, backwards=None) -> None:
         """`backward()` starts from ROOTS: a NaN/Inf written on purpose in one is a stop.
         Called as backward starts, and on a device from the backward's judge at the read
@@ -223,6 +238,22 @@ class WrittenMarks:
         mark.stop_made()       # (what flows from it from now on descends from this stop)
         with self._own_ops():
             output = _summary(value) if isinstance(value, Tensor) else None
+        made_by = mark.origin.made_by
+        if made_by:
+            where = mark.where()
+            return Violation(
+                kind=kind, op=mark.origin.op[0], torch_op=mark.origin.op[1], module=module,
+                module_type=module_type, stage=stage, frame=frame, file=mark.file,
+                line=mark.line, function=mark.function, nan=counts[0], posinf=counts[1],
+                neginf=counts[2], created=True, output=output,
+                inputs=list(inputs), param=param, node=node,
+                step=self._steps if self._opt_seen else None, reached=what, made_by=made_by,
+                micro_batch=self._micro_by_op(stage, backwards),
+                text=(f"{made_by} is -Inf at {where}: a value where no gradient flows "
+                      f"through it (a log-space mask), not a stop; it reaches {what}"),
+                hint=(f"{made_by} is -Inf; fix at {where}: clamp the input by an eps "
+                      "(torch.log(x.clamp_min(1e-12))), or mask the -Inf out (torch.where) "
+                      "before it reaches the loss, a gradient or a parameter"))
         return Violation(
             kind=kind, op=op, torch_op=torch_op, module=module, module_type=module_type,
             stage=stage, frame=frame, file=mark.file, line=mark.line,

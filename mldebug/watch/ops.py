@@ -86,6 +86,18 @@ CONSTANT_WRITERS = frozenset({
     "fill", "fill_", "masked_fill", "masked_fill_", "full", "full_like", "new_full",
     "scalar_tensor", "index_fill", "index_fill_", "constant_pad_nd",
 })
+# Ops whose outputs after the first are workspaces for their backward, partly
+# uninitialized: `_ctc_loss`'s log_alpha is `empty` memory filled only up to each
+# sample's lengths. Only the first output is a value.
+WORKSPACE_OUTPUTS = frozenset({"_ctc_loss"})
+# log(0) = -inf inside a model's forward where no gradient flows through it: a value the
+# model makes on purpose (T5's relative-position buckets take the log of a distance of 0
+# and cast it to an integer; a log-space mask), judged as a constant written (marks.py):
+# a stop where it reaches the loss, a gradient or a parameter, or makes a NaN. Where a
+# gradient flows its derivative is infinite, and in the program's own lines (a loss, a
+# script) log(0) is the bug it usually is: a stop where it is made.
+LOG_AT_ZERO = frozenset({"log", "log_", "log2", "log2_", "log10", "log10_", "log1p",
+                         "log1p_"})
 # Dtype conversions that cannot overflow: (source, destination) with destination
 # floating. Same dtype is always safe; float16/bfloat16/float8 DOWNcasts are not.
 _F8 = tuple(d for d in (getattr(torch, n, None) for n in (

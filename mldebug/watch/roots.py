@@ -29,6 +29,8 @@ from torch import Tensor
 
 from .checks import version_of
 
+_ScriptModule = torch.jit.ScriptModule
+
 _get_state = torch._C.Generator.get_state
 _MODULE_FILE = nn.Module._call_impl.__code__.co_filename
 try:
@@ -339,6 +341,8 @@ class Roots:
         self._remove_module_hooks()
         for info in infos:
             module = info.ref()
+            if isinstance(module, _ScriptModule):
+                continue   # (takes no Python hooks: its ops are checked one by one)
             self._root_hooks += [
                 module.register_forward_pre_hook(_RootHook(self._root_pre), with_kwargs=True,
                                                  prepend=True),

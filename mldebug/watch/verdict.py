@@ -23,14 +23,15 @@ from ..core import frames as _frames
 from ..core.errors import NonFiniteError
 from ..core.records import Violation
 from ..core.session import current
+from ..core.structs import tensors_in
 from ..remedies import hints as _hints
 from . import data_origin as _data_origin
 from .amp import SCALER_OPS, stays_unscaled
 from .checks import (_ALLOWED, METADATA_KEY, _caller, _counts, _floating, _isfinite,
-                     _summary, push, torch_formula)
+                     _summary, push, torch_formula, user_code_in_backward)
 from .context import module_record
 from .marks import Mark
-from .ops import CONSTANT_WRITERS, argument_name, matches
+from .ops import CONSTANT_WRITERS, LOG_AT_ZERO, WORKSPACE_OUTPUTS, argument_name, matches
 
 _current_node = torch._C._current_autograd_node
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
@@ -68,6 +69,8 @@ class Verdict:
             stage = self._stage(node)
             node_name = node.name() if node is not None else ""
             node_prov = node.metadata.get(METADATA_KEY) if node is not None else None
+            if node_prov is not None and user_code_in_backward(_caller(1)) is not None:
+                node_prov = None    # (a hook's op, not the node's formula: its own line)
             record = self._top
             if record is None and stage == "forward":
                 record = module_record(_caller(1))   # (a module outside the roots)
@@ -79,7 +82,7 @@ class Verdict:
         bad = []
         for index, item in enumerate(self._flatten_outputs(outs)):
             t, list_index = item
-            if not _floating(t):
+            if not _floating(t) or index and info.short in WORKSPACE_OUTPUTS:
                 continue
             counts = _counts(t)
             if sum(counts):
@@ -236,6 +239,11 @@ class Verdict:
                 if nonfinite:
                     culprit = nonfinite[0][0]
                     text = f"{culprit} holds Inf (e.g. a fully masked row)"
+                    made = nonfinite[0][6]
+                    if made is not None and made.origin.made_by:
+                        # (an Inf log(0) made where no gradient flowed: ops.LOG_AT_ZERO)
+                        culprit = f"{culprit}, made by {made.origin.made_by} at {made.where()}"
+                        text = f"{culprit} (-Inf)"
             else:
                 unknown = [r for r in rows if r[2] and not r[4]]
                 created = False
@@ -247,6 +255,23 @@ class Verdict:
             if not nonfinite:
                 created = True
                 stop = "inf" in self.break_on
+                if stop and posinf == 0 and info.short in LOG_AT_ZERO and stage == "forward" \
+                        and record is not None and "inf-all" not in self.break_on \
+                        and not _gradient_flows(bad, args, kwargs, here is None):
+                    # log(0) = -inf inside a model where no gradient flows: made on
+                    # purpose, as a constant written (ops.LOG_AT_ZERO)
+                    stop, created = False, False
+                    self._log_marks = True
+                    written = Mark(*self._op_location(stage, node_prov, here, frame),
+                                   made_by=f"{info.torch_op} of "
+                                           f"{'-1' if 'log1p' in info.short else '0'}",
+                                   op=(info.name, info.torch_op))
+                elif stop and info.short == "_ctc_loss" and (
+                        kwargs.get("zero_infinity") if kwargs else
+                        len(args) > 5 and args[5] is True):
+                    # an alignment that cannot be made: CTCLoss(zero_infinity=True) zeroes
+                    # that sample's infinite loss and its gradient, as asked
+                    stop = False
             else:
                 created = False
                 # (with inf-all a constant written is a stop where it is written)
@@ -266,7 +291,7 @@ class Verdict:
         # a value written on purpose flows on: no stop, unless it reaches a gradient, a
         # parameter or the optimizer's state (marks.py)
         mark = None if created or stop or lineage else next(
-            (r[6] for r in nonfinite if r[6] is not None), None)
+            (r[6] for r in nonfinite if r[6] is not None), written)
         reached = ""
         if mark is not None:
             # (an Inf may flow through backward's own steps, exp(-inf - lse) in logsumexp's:
@@ -545,3 +570,15 @@ class Verdict:
                 v.frame = frame
             self.violations.remove(v)
             self._report(v)
+
+
+def _gradient_flows(out, args, kwargs, running) -> bool:
+    """Whether a gradient flows through the op's output OUT. RUNNING: the op runs now,
+    below autograd (its output gets `requires_grad` once it returns): a gradient flows
+    when grad mode is on and an input requires one. Judged later (a device window), the
+    output has it, or its stand-in (device_window._stand_in) what was known then."""
+    if out.requires_grad:
+        return True
+    if not running or not torch.is_grad_enabled():
+        return False
+    return any(isinstance(t, Tensor) and t.requires_grad for t in tensors_in((args, kwargs)))

@@ -40,6 +40,9 @@ CASES = [
                                      # clipped by foreach kernels
     ("per_sample_grads.py", ()),     # torch.func: vmap(grad(...)) over functional_call,
                                      # jacrev, a gradient penalty
+    ("t5_relative_buckets.py", ()),  # T5's log(0) cast to an integer bucket, generate
+    ("ctc_zero_infinity.py", ()),    # CTCLoss(zero_infinity=True), an infeasible sample
+    ("jit_trace.py", ()),            # torch.jit.script, torch.jit.trace, training the trace
 ]
 IDS = [f"{name[:-3]}{'-' + '-'.join(args) if args else ''}" for name, args in CASES]
 RUNS = {"plain": [sys.executable],

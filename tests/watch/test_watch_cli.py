@@ -136,6 +136,114 @@ def test_a_nan_inside_torch_func_vmap_stops_at_its_line(write_program, tmp_path,
     assert (stop["file"], stop["line"]) == (str(prog), marker_line(prog)), stop
 
 
+LOG_PRIOR = """
+    import torch
+    from torch import nn
+
+    class LogPrior(nn.Module):
+        def forward(self, counts):
+            return torch.log(counts / counts.sum())   # here: a class never seen, log(0)
+
+    class Buckets(nn.Module):   # T5's relative positions: log(0) cast to an integer
+        def forward(self, n):
+            d = torch.arange(n)[None, :] - torch.arange(n)[:, None]
+            far = (torch.log(d.abs().float() / 4) * 3).to(torch.long)
+            return torch.where(d.abs() < 4, d.abs(), 4 + far.clamp(min=0))
+
+    torch.manual_seed(0)
+    model, prior, buckets = nn.Linear(4, 3), LogPrior(), Buckets()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        y = torch.randint(0, 2, (8,))                       # class 2 never occurs
+        bias = buckets(6).float().mean()
+        logits = model(torch.randn(8, 4)) + prior(torch.bincount(y, minlength=3).float())
+        loss = nn.functional.cross_entropy(logits + bias, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        print("stepped", step)
+"""
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_log_of_zero_inside_a_model_stops_where_the_model_returns_it(
+        write_program, tmp_path, path):
+    # log(0) = -inf inside a model where no gradient flows is a value while it stays
+    # there (T5's buckets: no stop), a stop once the model returns it, at the log
+    prog = write_program(LOG_PRIOR)
+    report = tmp_path / "r.jsonl"
+    env = clean_env(MLDEBUG_SIMULATE_DEVICE="1") if path == "device" else clean_env()
+    if path == "host":
+        env.pop("MLDEBUG_SIMULATE_DEVICE", None)
+    result = run_cli(["--batch", "--report", str(report), str(prog)], env=env)
+    assert result.returncode == 3, result.stderr
+    assert "stepped" not in result.stdout
+    (stop,) = read_report(report)
+    assert (stop["file"], stop["line"]) == (str(prog), marker_line(prog)), stop
+    assert (stop["op"], stop["created"]) == ("aten.log.default", True), stop
+    assert stop["reached"].startswith("the output of the model call LogPrior"), stop
+    assert "made there by torch.log of 0" in stop["message"], stop["message"]
+    assert "clamp the input by an eps" in stop["hint"], stop
+
+
+CODE_IN_BACKWARD = {
+    "tensor hook": """
+        import torch
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        x, y = torch.randn(16, 4), torch.randn(16, 1)
+        h = net[0](x)
+        h.register_hook(lambda g: g * torch.sqrt(g.sum() - 1.0))  # here: sqrt of a negative
+        loss = (net[2](net[1](h)) - y).pow(2).mean()
+        loss.backward()
+        print("backward done")
+    """,
+    "autograd.Function": """
+        import torch
+
+        class SafeNorm(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                n = x.norm(dim=1, keepdim=True)
+                ctx.save_for_backward(x, n)
+                return n
+
+            @staticmethod
+            def backward(ctx, g):
+                x, n = ctx.saved_tensors
+                return g * x / n                 # here: 0/0 for an all-zero row
+
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(4, 8, bias=False)
+        x = torch.randn(16, 4)
+        x[:3] = 0.0
+        loss = SafeNorm.apply(torch.tanh(lin(x))).mean()
+        loss.backward()
+        print("backward done")
+    """,
+}
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+@pytest.mark.parametrize("code", list(CODE_IN_BACKWARD))
+def test_a_nan_made_by_the_programs_code_in_backward_stops_at_that_line(
+        write_program, tmp_path, code, path):
+    # (a hook on a non-leaf tensor ran under its node, whose forward op the stop named;
+    # on a device the stop named the backward() line)
+    prog = write_program(CODE_IN_BACKWARD[code])
+    report = tmp_path / "r.jsonl"
+    env = clean_env(MLDEBUG_SIMULATE_DEVICE="1") if path == "device" else clean_env()
+    if path == "host":
+        env.pop("MLDEBUG_SIMULATE_DEVICE", None)
+    result = run_cli(["--batch", "--report", str(report), str(prog)], env=env)
+    assert result.returncode == 3, result.stderr
+    (stop,) = read_report(report)
+    assert (stop["file"], stop["line"], stop["stage"]) == (
+        str(prog), marker_line(prog), "backward"), stop
+    assert stop["op"] in ("aten.sqrt.default", "aten.div.Tensor"), stop
+    assert "torch.safenorm" not in stop["message"]
+
+
 def test_continue_resumes_and_the_next_root_cause_stops_again(write_program):
     prog = write_program(NAN_AND_GO_ON)
     result = run_cli([str(prog)], stdin="p x\nc\nc\n")
