@@ -200,10 +200,14 @@ class ExplodingGradients(ParamAssertion):
 
 class NoGradient(ParamAssertion):
     """A parameter the optimizer steps on had no gradient (`.grad is None`) at `persist`
-    consecutive steps: it is not connected to the loss (unused layer, a `.detach()`, an
-    accidental `torch.no_grad()`, a module built but never called). Not judged: the
-    parameters of a `DistributedDataParallel(..., find_unused_parameters=True)` model,
-    which the program declared may get none (the runner skips them)."""
+    consecutive steps from the start: it is not connected to the loss (unused layer, a
+    `.detach()`, an accidental `torch.no_grad()`, a module built but never called); or
+    at `persist_after` consecutive steps once it had one (a layer cut off later). A
+    layer that is skipped at random (LayerDrop, stochastic depth: half the steps) or an
+    expert that no token was routed to misses a few steps in a row now and then: the
+    counts leave it room. Not judged: the parameters of a
+    `DistributedDataParallel(..., find_unused_parameters=True)` model, which the program
+    declared may get none (the runner skips them)."""
 
     name = "param_no_grad"
     message = "a parameter that the optimizer updates received no gradient"
@@ -211,18 +215,19 @@ class NoGradient(ParamAssertion):
     check_on = (BEFORE_STEP,)
     skips_declared_unused = True
 
-    def __init__(self, persist=3, **kw):
+    def __init__(self, persist=10, persist_after=50, **kw):
         super().__init__(**kw)
-        self.persist = persist
-        self._missing = _PerParam()
+        self.persist, self.persist_after = persist, persist_after
+        self._missing = _PerParam()      # param -> (steps in a row without, had one)
 
     def check(self, name, param, grad) -> bool:
         if grad is not None or not param.requires_grad:
-            self._missing.set(param, 0)
+            self._missing.set(param, (0, grad is not None))
             return True
-        n = self._missing.get(param, 0) + 1
-        self._missing.set(param, n)
-        if n == self.persist:
+        n, had = self._missing.get(param, (0, False))
+        n += 1
+        self._missing.set(param, (n, had))
+        if n == (self.persist_after if had else self.persist):
             self.detail = f"{name} had no .grad at {n} steps in a row"
             return False
         return True

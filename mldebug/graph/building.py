@@ -34,14 +34,16 @@ class _Recorder:
         metas = []
         for a in args:
             if type(a) is Tensor or isinstance(a, Tensor):
-                metas.append((tuple(a.shape), _short(a.dtype)))
+                metas.append((tuple(a.shape) if not a.is_nested else _meta(a)[0],
+                              _short(a.dtype)))
                 rec = producer.get(id(a))
                 if rec is not None and rec[0]() is a:
                     self.graph._edge(rec[1], node.id)
             elif isinstance(a, (tuple, list, dict)) or (
                     dataclasses.is_dataclass(a) and not isinstance(a, type)):
                 for t in _tensors(a, 1):
-                    metas.append(_meta(t))
+                    metas.append((tuple(t.shape) if not t.is_nested else _meta(t)[0],
+                          _short(t.dtype)))
                     rec = producer.get(id(t))
                     if rec is not None and rec[0]() is t:
                         self.graph._edge(rec[1], node.id)
@@ -54,7 +56,7 @@ class _Recorder:
         metas = []
         producer = self.producer
         for t in outs:
-            metas.append((tuple(t.shape), _short(t.dtype)))
+            metas.append(_meta(t))
             try:
                 r = weakref.ref(t)
             except TypeError:

@@ -25,6 +25,8 @@ def _short(dtype) -> str:
 
 
 def _meta(t: Tensor):
+    if t.is_nested:    # (a strided nested tensor has no shape: -1 for each dimension)
+        return ((-1,) * t.dim(), _short(t.dtype))
     return (tuple(t.shape), _short(t.dtype))
 
 

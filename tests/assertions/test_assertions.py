@@ -73,7 +73,7 @@ def test_each_library_assertion_trips_on_its_program(name):
     if name == "exploding_gradients":
         assert first.step == 6                  # the step with the 1e6-scaled loss
     if name == "param_no_grad":
-        assert first.param.startswith("extra.") and first.step == 2   # third step
+        assert first.param.startswith("extra.") and first.step == 9   # tenth step
 
 
 @pytest.mark.parametrize("path", [PROGRAMS / "healthy.py", EXAMPLES / "healthy.py",
@@ -187,6 +187,35 @@ def test_sparse_gradients_are_no_trouble_for_the_gradient_assertions():
                 opt_d.step()
     assert stops == []
     assert [str(w.message) for w in caught if "mldebug" in str(w.message)] == []
+
+
+def test_a_layer_skipped_at_random_is_no_layer_without_a_gradient():
+    # LayerDrop: each layer skipped with p = 0.5; a layer that a seed skips 3 steps in a
+    # row (steps 2-4 here) still learns. A layer never used stops (the trips above)
+    torch.manual_seed(0)
+    layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(4)])
+    inp, out = nn.Linear(8, 16), nn.Linear(16, 3)
+    opt = torch.optim.Adam([*inp.parameters(), *layers.parameters(), *out.parameters()],
+                           lr=1e-2)
+    x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    coin = torch.Generator().manual_seed(1)
+    stops, skipped = [], []
+    with Runner(on_violation=stops.append):
+        for _ in range(20):
+            drop = (torch.rand(4, generator=coin) < 0.5).tolist()
+            skipped.append(drop)
+            h = inp(x)
+            for layer, dropped in zip(layers, drop):
+                if not dropped:
+                    h = h + torch.tanh(layer(h))
+            loss = nn.functional.cross_entropy(out(h), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    runs = max(max(len(r) for r in "".join("x" if s[i] else "." for s in skipped).split("."))
+               for i in range(4))
+    assert runs >= 3, skipped          # (the case this test is about)
+    assert [v.assertion for v in stops] == []
 
 
 def test_custom_assertions_of_every_kind():

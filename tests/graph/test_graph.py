@@ -113,6 +113,17 @@ def test_module_level_trace_without_ops():
     assert ("stem#0", "block#0") in g.edges
 
 
+def test_a_nested_tensor_is_traced_with_its_ragged_dimensions():
+    import warnings
+    nested = torch.nested.nested_tensor([torch.randn(3, 8), torch.randn(5, 8)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        g = mldebug.trace(nn.Linear(8, 4), nested)
+    assert [str(w.message) for w in caught if "mldebug" in str(w.message)] == []
+    ops = [n for n in g if n.kind == "op"]
+    assert ops and ops[0].inputs[0] == ((-1, -1, -1), "f32"), [n.inputs for n in ops]
+
+
 @dataclass
 class Out:
     logits: torch.Tensor

@@ -18,7 +18,7 @@ torch.manual_seed(0)
 model = Net()
 opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 x = torch.randn(16, 8)
-for step in range(4):
+for step in range(12):
     opt.zero_grad()
     loss = model(x).pow(2).mean()
     loss.backward()
