@@ -249,11 +249,13 @@ class WrittenMarks:
                 inputs=list(inputs), param=param, node=node,
                 step=self._steps if self._opt_seen else None, reached=what, made_by=made_by,
                 micro_batch=self._micro_by_op(stage, backwards),
-                text=(f"{made_by} is -Inf at {where}: a value where no gradient flows "
-                      f"through it (a log-space mask), not a stop; it reaches {what}"),
+                text=(f"{made_by} is {'-' if counts[2] else ''}Inf at {where}: a value "
+                      f"on its own (a log-space mask, a temporary), not a stop; it reaches "
+                      f"{what}"),
                 hint=(f"{made_by} is -Inf; fix at {where}: clamp the input by an eps "
                       "(torch.log(x.clamp_min(1e-12))), or mask the -Inf out (torch.where) "
-                      "before it reaches the loss, a gradient or a parameter"))
+                      "before it reaches the loss, a gradient or a parameter")
+                if "log" in mark.origin.op[0] else "")
         return Violation(
             kind=kind, op=op, torch_op=torch_op, module=module, module_type=module_type,
             stage=stage, frame=frame, file=mark.file, line=mark.line,

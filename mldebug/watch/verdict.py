@@ -226,6 +226,7 @@ class Verdict:
         lineage = any(r[5] for r in nonfinite)   # descends from a reported stop
         culprit = ""
         culprit_value = None       # the input it came in through, when not made here
+        made = False               # made here, judged as a constant written (below)
         text = ""
         stop = False
         if out_nan:
@@ -260,11 +261,20 @@ class Verdict:
                         and not _gradient_flows(bad, args, kwargs, here is None):
                     # log(0) = -inf inside a model where no gradient flows: made on
                     # purpose, as a constant written (ops.LOG_AT_ZERO)
-                    stop, created = False, False
+                    stop, created, made = False, False, True
                     self._log_marks = True
                     written = Mark(*self._op_location(stage, node_prov, here, frame),
                                    made_by=f"{info.torch_op} of "
                                            f"{'-1' if 'log1p' in info.short else '0'}",
+                                   op=(info.name, info.torch_op))
+                elif stop and stage == "optimizer" and "inf-all" not in self.break_on \
+                        and not self._holds_state(bad):
+                    # the optimizer's own arithmetic on a temporary (RAdam divides by a
+                    # rectification term of 0 and takes the reciprocal): judged by what
+                    # it leaves in the parameters and the state, as a constant written
+                    stop, created, made = False, False, True
+                    written = Mark(*self._op_location(stage, node_prov, here, frame),
+                                   made_by=f"{info.torch_op} in the optimizer's step",
                                    op=(info.name, info.torch_op))
                 elif stop and info.short == "_ctc_loss" and (
                         kwargs.get("zero_infinity") if kwargs else
@@ -293,7 +303,7 @@ class Verdict:
         mark = None if created or stop or lineage else next(
             (r[6] for r in nonfinite if r[6] is not None), written)
         reached = ""
-        if mark is not None:
+        if mark is not None and not made:
             # (an Inf may flow through backward's own steps, exp(-inf - lse) in logsumexp's:
             # what reaches a parameter's gradient is seen at the optimizer's step)
             if stage == "backward" and out_nan:
@@ -359,6 +369,19 @@ class Verdict:
         if stage == "forward" and culprit_value is not None:
             self._name_the_data(v, culprit_value)
         return v
+
+    def _holds_state(self, t) -> bool:
+        """Whether T is a parameter or the running optimizer's state (not a temporary of
+        its step)."""
+        if _data_origin._is_parameter(t):
+            return True
+        try:
+            ptr = t.untyped_storage().data_ptr()
+            state = getattr(self._optimizer, "state", None) or {}
+            return any(isinstance(x, Tensor) and x.untyped_storage().data_ptr() == ptr
+                       for values in state.values() for x in values.values())
+        except Exception:  # noqa: BLE001 - unreadable: judged as state (a stop as before)
+            return True
 
     @staticmethod
     def _op_location(stage, node_prov, here, frame):

@@ -196,6 +196,59 @@ def test_an_in_place_foreach_op_moves_version_counters_as_without_the_watch(writ
     assert all(torch.equal(a, b) for a, b in zip(plain_values, watched_values))
 
 
+def test_an_optimizers_own_inf_in_a_temporary_is_judged_by_what_reaches_the_parameters():
+    # RAdam (foreach) divides by a rectification term of exactly 0 for its first steps
+    # and takes the reciprocal of the -inf: nothing non-finite reaches a parameter or the
+    # state. Under the per-op check everywhere (exact) that is no stop, and the bits are
+    # the plain run's
+    def train(watched):
+        torch.manual_seed(0)
+        model = nn.Linear(8, 3)
+        opt = torch.optim.RAdam(model.parameters(), lr=1e-2, foreach=True)
+        x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+        for _ in range(3):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    plain = train(False)
+    with watch(action="raise", exact=True) as w:
+        watched = train(True)
+    assert w.violations == []
+    assert all(torch.equal(a, b) for a, b in zip(plain, watched))
+
+
+class _ScaledSGD(torch.optim.Optimizer):
+    def __init__(self, params, lr, scale):
+        super().__init__(params, {"lr": lr, "scale": scale})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                update = p.grad / group["scale"]   # here: a scale of 0
+                p.add_(update, alpha=-group["lr"])
+
+
+def test_an_inf_an_optimizer_makes_in_a_temporary_stops_where_it_reaches_a_parameter():
+    model = nn.Linear(4, 2)
+    opt = _ScaledSGD(model.parameters(), lr=0.1, scale=0.0)
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    with pytest.raises(NonFiniteError) as info:
+        with watch(action="raise", exact=True):
+            opt.step()
+    v = info.value.violation
+    assert v.stage == "optimizer" and v.line == _marker_line_of(_ScaledSGD.step), v.headline()
+    assert v.reached, v.headline()
+
+
+def _marker_line_of(fn) -> int:
+    import inspect
+    lines, start = inspect.getsourcelines(fn)
+    return start + next(i for i, line in enumerate(lines) if "# here" in line)
+
+
 # -- raising ---------------------------------------------------------------------------
 def test_raise_reaches_user_code_in_forward_and_cleans_up():
     with pytest.raises(NonFiniteError) as info:
