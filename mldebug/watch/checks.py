@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ..core.frames import is_user_file as _is_user_file
+from ..core.structs import tensors_in
 from ..summaries import nonfinite_counts, summary
 from .native_check import nonfinite as _native_nonfinite
 from .native_check import nonfinite_each as _native_nonfinite_each
@@ -189,3 +190,15 @@ class mode_on:
     def __exit__(self, *exc):
         if self.pushed:
             pop_if_top(self.mode)
+
+
+def gradient_flows(out, args, kwargs, running) -> bool:
+    """Whether a gradient flows through the op's output OUT. RUNNING: the op runs now,
+    below autograd (its output gets `requires_grad` once it returns): a gradient flows
+    when grad mode is on and an input requires one. Judged later (a device window), the
+    output has it, or its stand-in (device_window._stand_in) what was known then."""
+    if out.requires_grad:
+        return True
+    if not running or not _grad_enabled():
+        return False
+    return any(isinstance(t, Tensor) and t.requires_grad for t in tensors_in((args, kwargs)))

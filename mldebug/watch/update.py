@@ -27,6 +27,7 @@ from torch import Tensor
 from ..core import frames as _frames
 from ..core.native import memory_needed
 from . import checks as _checks
+from .data_origin import _is_parameter
 from .checks import _PLAIN, _STRIDED, _caller, _counts, _is_cpu, pop_if_top, push
 from .step_ledger import cuda_graph_aside, fused_key
 from .verdict import LIVE_GRAD
@@ -109,6 +110,19 @@ def step_tensors(optimizer) -> list:
 
 class OptimizerStep:
     """Methods of `Watch` (core.py) for `optimizer.step()` (state in `Watch`)."""
+
+    def _holds_state(self, t) -> bool:
+        """Whether T is a parameter or the running optimizer's state (not a temporary of
+        its step)."""
+        if _is_parameter(t):
+            return True
+        try:
+            ptr = t.untyped_storage().data_ptr()
+            state = getattr(self._optimizer, "state", None) or {}
+            return any(isinstance(x, Tensor) and x.untyped_storage().data_ptr() == ptr
+                       for values in state.values() for x in values.values())
+        except Exception:  # noqa: BLE001 - unreadable: judged as state (a stop as before)
+            return True
 
     def _optimizer_pre(self, optimizer, args, kwargs):
         if self._skip or _get_ident() != self._owner:

@@ -23,12 +23,12 @@ from ..core import frames as _frames
 from ..core.errors import NonFiniteError
 from ..core.records import Violation
 from ..core.session import current
-from ..core.structs import tensors_in
 from ..remedies import hints as _hints
 from . import data_origin as _data_origin
 from .amp import SCALER_OPS, stays_unscaled
 from .checks import (_ALLOWED, METADATA_KEY, _caller, _counts, _floating, _isfinite,
-                     _summary, push, torch_formula, user_code_in_backward)
+                     _summary, gradient_flows, push, torch_formula,
+                     user_code_in_backward)
 from .context import module_record
 from .marks import Mark
 from .ops import CONSTANT_WRITERS, LOG_AT_ZERO, WORKSPACE_OUTPUTS, argument_name, matches
@@ -258,7 +258,7 @@ class Verdict:
                 stop = "inf" in self.break_on
                 if stop and posinf == 0 and info.short in LOG_AT_ZERO and stage == "forward" \
                         and record is not None and "inf-all" not in self.break_on \
-                        and not _gradient_flows(bad, args, kwargs, here is None):
+                        and not gradient_flows(bad, args, kwargs, here is None):
                     # log(0) = -inf inside a model where no gradient flows: made on
                     # purpose, as a constant written (ops.LOG_AT_ZERO)
                     stop, created, made = False, False, True
@@ -369,19 +369,6 @@ class Verdict:
         if stage == "forward" and culprit_value is not None:
             self._name_the_data(v, culprit_value)
         return v
-
-    def _holds_state(self, t) -> bool:
-        """Whether T is a parameter or the running optimizer's state (not a temporary of
-        its step)."""
-        if _data_origin._is_parameter(t):
-            return True
-        try:
-            ptr = t.untyped_storage().data_ptr()
-            state = getattr(self._optimizer, "state", None) or {}
-            return any(isinstance(x, Tensor) and x.untyped_storage().data_ptr() == ptr
-                       for values in state.values() for x in values.values())
-        except Exception:  # noqa: BLE001 - unreadable: judged as state (a stop as before)
-            return True
 
     @staticmethod
     def _op_location(stage, node_prov, here, frame):
@@ -594,14 +581,3 @@ class Verdict:
             self.violations.remove(v)
             self._report(v)
 
-
-def _gradient_flows(out, args, kwargs, running) -> bool:
-    """Whether a gradient flows through the op's output OUT. RUNNING: the op runs now,
-    below autograd (its output gets `requires_grad` once it returns): a gradient flows
-    when grad mode is on and an input requires one. Judged later (a device window), the
-    output has it, or its stand-in (device_window._stand_in) what was known then."""
-    if out.requires_grad:
-        return True
-    if not running or not torch.is_grad_enabled():
-        return False
-    return any(isinstance(t, Tensor) and t.requires_grad for t in tensors_in((args, kwargs)))
