@@ -45,6 +45,7 @@ from torch import Tensor
 from ..core import frames as _frames
 from ..core.records import Violation
 from ..core.structs import tensors_in
+from . import checks as _checks
 from .checks import _caller, _checkable, _counts, _isfinite, _summary
 from .native_check import nonfinite as _native_nonfinite
 from .roots import call_kwargs
@@ -153,11 +154,18 @@ class WrittenMarks:
             bad = not _isfinite(float(out.detach().double().sum()))
         if not bad:
             return out
+        if not _checks.HOST_READS or self._win or self._ledger.holds_tensors():
+            self._ledger.keep(out)   # (a window op reading it judges what it holds)
         caller = _caller(2)
-        if not _written_in_source(caller, out.dim() == 0):
-            return out
         with self._own_ops():
             counts = _counts(out)
+        if not _written_in_source(caller, out.dim() == 0):
+            if not counts[0] and "inf-all" not in self.break_on:
+                # an Inf from Python data (`torch.tensor(biases)`): no stop where it is
+                # read, as come in from outside; known as such now, so that a device's
+                # read judges an op that read it through a view gone since the same way
+                self._taint_add(out, False, True, False)
+            return out
         self._taint_add(out, counts[0] > 0, counts[1] + counts[2] > 0, False,
                         mark=mark_here(caller))
         return out

@@ -76,13 +76,15 @@ def fused_key(x) -> tuple:
 class StepLedger:
     """Device tensors waiting for their check, by slot, and the judges to run on a bad one."""
 
-    __slots__ = ("_held", "_held_bytes", "_aside", "_aside_bytes", "_kept", "_kept_ids",
+    __slots__ = ("_held", "_held_bytes", "_aside", "_aside_bytes", "_literals", "_kept",
+                 "_kept_ids",
                  "_grouped", "_norms", "_slots", "_judges", "_late", "_lock", "slots",
                  "backwards", "calls", "sources", "waiting")
 
     def __init__(self):
         self._held: list = []      # temporaries: (tensor, slot), bounded
         self._held_bytes = 0
+        self._literals: list = []  # Python data with a NaN/Inf a window op may read (keep)
         self._aside: list = []     # temporaries reduced already (before an op wrote
         self._aside_bytes = 0      # them) or empty: alive for the judges, in the bound
         self._kept: list = []      # tensors that live on anyway: (tensor, slot)
@@ -148,6 +150,13 @@ class StepLedger:
             self._aside, self._aside_bytes = [], 0
             self._reduce(held)
         return slots
+
+    def keep(self, x) -> None:
+        """X alive until the read (at most _GROUP of them): a tensor no op of the window
+        made (Python data holding a NaN/Inf, `torch.tensor(values)`) that a window op may
+        read, so that its judge reads what it held rather than take it for gone."""
+        if len(self._literals) < _GROUP:
+            self._literals.append(x)
 
     def hold_grouped(self, groups, n) -> range:
         """Slots for N tensors that live on anyway (an optimizer's parameters and state),
@@ -231,6 +240,7 @@ class StepLedger:
         emptied = (self._norms, self._slots, self._judges)
         self._held, self._kept, self._held_bytes, self._kept_ids = [], [], 0, {}
         self._aside, self._aside_bytes = [], 0
+        self._literals = []
         self._grouped = []
         self._norms, self._slots, self._judges = [], [], []
         self.backwards = self.calls = 0
@@ -247,6 +257,7 @@ class StepLedger:
             self._reduce(items, grouped)
             items.extend(grouped)     # (kept alive while the judges run)
         items.extend(self._aside)
+        items.extend(self._literals)
         norms, slots, judges = self._empty()
         values = None
         if norms:

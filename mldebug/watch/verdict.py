@@ -291,9 +291,12 @@ class Verdict:
                     culprit, culprit_value = unknown[0][0], unknown[0][1]
         if stop and stage == "optimizer" and self._opt_stop_step == self._steps:
             stop = False   # one stop per optimizer step: the other parameters follow
+        # (a NaN made in backward from Infs not judged a stop: from the overflow that
+        # made them, in whatever dtype the op runs: LayerNorm's backward in float32)
+        overflowed = stage == "backward" and bool(nonfinite) and not lineage
         if stop and (info.name.startswith(SCALER_OPS) or (
                 stage == "backward" and self._amp.excuses(
-                    dtype or bad.dtype,
+                    None if overflowed else dtype or bad.dtype,
                     self._unscaled_check(info, args, kwargs, created and not nonfinite)))):
             stop = False   # a loss scaler's overflow: GradScaler skips this step
         if stop and stage == "backward":
@@ -306,8 +309,8 @@ class Verdict:
         if mark is not None and not made:
             # (an Inf may flow through backward's own steps, exp(-inf - lse) in logsumexp's:
             # what reaches a parameter's gradient is seen at the optimizer's step)
-            if stage == "backward" and out_nan:
-                reached = "a gradient"
+            if stage == "backward" and out_nan and not self._amp.excuses():
+                reached = "a gradient"   # (under a loss scaler: its overflow, while it can)
             elif stage == "optimizer":
                 reached = "the optimizer's step"
             elif stage == "forward" and _data_origin._is_parameter(bad):

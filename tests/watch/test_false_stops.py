@@ -43,6 +43,9 @@ CASES = [
     ("t5_relative_buckets.py", ()),  # T5's log(0) cast to an integer bucket, generate
     ("ctc_zero_infinity.py", ()),    # CTCLoss(zero_infinity=True), an infeasible sample
     ("jit_trace.py", ()),            # torch.jit.script, torch.jit.trace, training the trace
+    ("grad_scaler_layernorm.py", ()),  # GradScaler from 2^40: NaN from the overflow's
+                                       # Infs in LayerNorm's and attention's backward
+    ("generate_banned_words.py", ()),  # generate with bad_words_ids, a -inf sequence_bias
 ]
 IDS = [f"{name[:-3]}{'-' + '-'.join(args) if args else ''}" for name, args in CASES]
 RUNS = {"plain": [sys.executable],
