@@ -60,6 +60,15 @@ NAN_AND_GO_ON = """
 """
 
 
+def _batch_run(prog, tmp_path, path):
+    """`python -m mldebug --batch --report R PROG` on the host or the device PATH."""
+    report = tmp_path / "r.jsonl"
+    env = clean_env(MLDEBUG_SIMULATE_DEVICE="1") if path == "device" else clean_env()
+    if path == "host":
+        env.pop("MLDEBUG_SIMULATE_DEVICE", None)
+    return run_cli(["--batch", "--report", str(report), str(prog)], env=env), report
+
+
 UPDATE_BETWEEN_BACKWARDS = """
     import torch
 
@@ -124,11 +133,7 @@ def test_a_nan_inside_torch_func_vmap_stops_at_its_line(write_program, tmp_path,
     # (the model's call inside vmap once had its wrapped outputs read with .item(): the
     # host path ended in vmap's RuntimeError)
     prog = write_program(PER_SAMPLE_NAN)
-    report = tmp_path / "r.jsonl"
-    env = clean_env(MLDEBUG_SIMULATE_DEVICE="1") if path == "device" else clean_env()
-    if path == "host":
-        env.pop("MLDEBUG_SIMULATE_DEVICE", None)
-    result = run_cli(["--batch", "--report", str(report), str(prog)], env=env)
+    result, report = _batch_run(prog, tmp_path, path)
     assert result.returncode == 3, result.stderr
     assert "vmap" not in result.stderr, result.stderr
     (stop,) = read_report(report)
@@ -171,11 +176,7 @@ def test_log_of_zero_inside_a_model_stops_where_the_model_returns_it(
     # log(0) = -inf inside a model where no gradient flows is a value while it stays
     # there (T5's buckets: no stop), a stop once the model returns it, at the log
     prog = write_program(LOG_PRIOR)
-    report = tmp_path / "r.jsonl"
-    env = clean_env(MLDEBUG_SIMULATE_DEVICE="1") if path == "device" else clean_env()
-    if path == "host":
-        env.pop("MLDEBUG_SIMULATE_DEVICE", None)
-    result = run_cli(["--batch", "--report", str(report), str(prog)], env=env)
+    result, report = _batch_run(prog, tmp_path, path)
     assert result.returncode == 3, result.stderr
     assert "stepped" not in result.stdout
     (stop,) = read_report(report)
@@ -231,11 +232,7 @@ def test_a_nan_made_by_the_programs_code_in_backward_stops_at_that_line(
     # (a hook on a non-leaf tensor ran under its node, whose forward op the stop named;
     # on a device the stop named the backward() line)
     prog = write_program(CODE_IN_BACKWARD[code])
-    report = tmp_path / "r.jsonl"
-    env = clean_env(MLDEBUG_SIMULATE_DEVICE="1") if path == "device" else clean_env()
-    if path == "host":
-        env.pop("MLDEBUG_SIMULATE_DEVICE", None)
-    result = run_cli(["--batch", "--report", str(report), str(prog)], env=env)
+    result, report = _batch_run(prog, tmp_path, path)
     assert result.returncode == 3, result.stderr
     (stop,) = read_report(report)
     assert (stop["file"], stop["line"], stop["stage"]) == (
