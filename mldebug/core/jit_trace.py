@@ -8,8 +8,8 @@ mldebug that hooks the program registers here (`add(owner)`); while one is regis
 `torch.jit.trace` and `torch.jit.trace_module` run under `quiet.own_work` and
 `quiet.watch_off` (the watch suspended and its dispatch mode off the stack: the trace
 checker's ops do not pass through a mode; the graph capture and the assertions' hooks
-quiet; autograd as it is). What
-the traced module computes when the program calls it afterwards is watched as any call.
+quiet; autograd as it is). What the traced module computes when the program calls it
+afterwards is watched as any call.
 """
 from __future__ import annotations
 
