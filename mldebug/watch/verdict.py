@@ -240,10 +240,12 @@ class Verdict:
                 if nonfinite:
                     culprit = nonfinite[0][0]
                     text = f"{culprit} holds Inf (e.g. a fully masked row)"
-                    made = nonfinite[0][6]
-                    if made is not None and made.origin.made_by:
-                        # (an Inf log(0) made where no gradient flowed: ops.LOG_AT_ZERO)
-                        culprit = f"{culprit}, made by {made.origin.made_by} at {made.where()}"
+                    maker = nonfinite[0][6]
+                    if maker is not None and maker.origin.made_by:
+                        # (an Inf an op made, judged a value: ops.LOG_AT_ZERO, an optimizer's
+                        # temporary)
+                        culprit = (f"{culprit}, made by {maker.origin.made_by} at "
+                                   f"{maker.where()}")
                         text = f"{culprit} (-Inf)"
             else:
                 unknown = [r for r in rows if r[2] and not r[4]]
@@ -583,4 +585,3 @@ class Verdict:
                 v.frame = frame
             self.violations.remove(v)
             self._report(v)
-
