@@ -70,6 +70,7 @@ class LossScaling:
         self.active = False         # a backward of a scaled loss is running
         self._scaler = None         # weakref to the scaler of that loss
         self.refused = ""           # why the last gradient judged is not excused
+        self.overflowed = False     # this backward made an Inf the scaler's overflow excused
 
     def start(self) -> None:
         global _ORIG_SCALE
@@ -103,6 +104,7 @@ class LossScaling:
     def begin(self, roots) -> bool:
         """A backward starts from ROOTS: is it of a scaled loss?"""
         self.active, self._scaler, self.refused = False, None, ""
+        self.overflowed = False
         for r in roots:
             found = self._scaled.get(id(r))
             if found is not None and found[0]() is r:

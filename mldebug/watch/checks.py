@@ -199,6 +199,30 @@ def gradient_flows(out, args, kwargs, running) -> bool:
     output has it, or its stand-in (device_window._stand_in) what was known then."""
     if out.requires_grad:
         return True
+    if running and _in_reentrant_checkpoint():
+        return True     # (its forward runs under no_grad; backward runs it again with grad)
     if not running or not _grad_enabled():
         return False
     return any(isinstance(t, Tensor) and t.requires_grad for t in tensors_in((args, kwargs)))
+
+
+def _checkpoint_forward_code():
+    try:
+        from torch.utils.checkpoint import CheckpointFunction
+        return CheckpointFunction.forward.__code__
+    except Exception:  # noqa: BLE001 - a torch without it
+        return None
+
+
+_CHECKPOINT_FORWARD = _checkpoint_forward_code()
+
+
+def _in_reentrant_checkpoint() -> bool:
+    """Whether the running op is in the forward of a reentrant checkpoint
+    (`checkpoint(..., use_reentrant=True)`), read off the stack."""
+    frame = _getframe(1)
+    while frame is not None:
+        if frame.f_code is _CHECKPOINT_FORWARD:
+            return True
+        frame = frame.f_back
+    return False

@@ -119,8 +119,11 @@ class OptimizerStep:
         try:
             ptr = t.untyped_storage().data_ptr()
             state = getattr(self._optimizer, "state", None) or {}
+            held = [x for values in state.values() for x in values.values()]
+            held += [p for group in getattr(self._optimizer, "param_groups", ())
+                     for p in group.get("params", ())]    # (written through `p.data`)
             return any(isinstance(x, Tensor) and x.untyped_storage().data_ptr() == ptr
-                       for values in state.values() for x in values.values())
+                       for x in held)
         except Exception:  # noqa: BLE001 - unreadable: judged as state (a stop as before)
             return True
 

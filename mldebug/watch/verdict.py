@@ -295,12 +295,14 @@ class Verdict:
             stop = False   # one stop per optimizer step: the other parameters follow
         # (a NaN made in backward from Infs not judged a stop: from the overflow that
         # made them, in whatever dtype the op runs: LayerNorm's backward in float32)
-        overflowed = stage == "backward" and bool(nonfinite) and not lineage
+        overflowed = stage == "backward" and bool(nonfinite) and not lineage \
+            and self._amp.overflowed
         if stop and (info.name.startswith(SCALER_OPS) or (
                 stage == "backward" and self._amp.excuses(
                     None if overflowed else dtype or bad.dtype,
                     self._unscaled_check(info, args, kwargs, created and not nonfinite)))):
             stop = False   # a loss scaler's overflow: GradScaler skips this step
+            self._amp.overflowed = self._amp.overflowed or stage == "backward"
         if stop and stage == "backward":
             text = self._amp.with_note(text)
         # a value written on purpose flows on: no stop, unless it reaches a gradient, a
@@ -311,7 +313,8 @@ class Verdict:
         if mark is not None and not made:
             # (an Inf may flow through backward's own steps, exp(-inf - lse) in logsumexp's:
             # what reaches a parameter's gradient is seen at the optimizer's step)
-            if stage == "backward" and out_nan and not self._amp.excuses():
+            if stage == "backward" and out_nan and not (
+                    self._amp.overflowed and self._amp.excuses()):
                 reached = "a gradient"   # (under a loss scaler: its overflow, while it can)
             elif stage == "optimizer":
                 reached = "the optimizer's step"

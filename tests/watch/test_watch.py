@@ -243,6 +243,53 @@ def test_an_inf_an_optimizer_makes_in_a_temporary_stops_where_it_reaches_a_param
     assert v.reached, v.headline()
 
 
+class _DataSGD(torch.optim.Optimizer):
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.data.add_(p.grad, alpha=-group["lr"])   # here: the lr overflows
+
+
+def test_an_optimizer_writing_a_parameter_through_data_is_judged_as_writing_the_parameter():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = _DataSGD(model.parameters(), lr=3e38)
+    (model(torch.randn(8, 4)).pow(2).mean() * 100).backward()
+    with pytest.raises(NonFiniteError) as info:
+        with watch(action="raise", exact=True):
+            opt.step()
+    v = info.value.violation
+    assert (v.stage, v.line, v.created) == ("optimizer", _marker_line_of(_DataSGD.step),
+                                            True), v.headline()
+
+
+def test_under_a_loss_scaler_a_masked_rows_nan_in_float32_is_still_a_stop():
+    # the scaler excuses a NaN that backward makes from the Infs of its own overflow
+    # (float16); a float32 run's fully masked row makes its NaN with no overflow at all
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.randn(3, 4)
+    with pytest.raises(NonFiniteError) as info:
+        with watch(action="raise"):
+            for step in range(10):
+                bias = torch.zeros(3, 4)
+                if step == 5:
+                    bias[2] = float("-inf")
+                loss = torch.logsumexp(lin(x) + bias, -1).clamp_min(-10).sum()
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+    v = info.value.violation
+    assert (v.kind, v.stage, v.step) == ("nan", "backward", 5), v.headline()
+
+
 def _marker_line_of(fn) -> int:
     import inspect
     lines, start = inspect.getsourcelines(fn)
