@@ -203,7 +203,13 @@ def gradient_flows(out, args, kwargs, running) -> bool:
         return True     # (its forward runs under no_grad; backward runs it again with grad)
     if not running or not _grad_enabled():
         return False
-    return any(isinstance(t, Tensor) and t.requires_grad for t in tensors_in((args, kwargs)))
+    return any_requires_grad(args, kwargs)
+
+
+def any_requires_grad(args, kwargs) -> bool:
+    """Whether a tensor among an op's ARGS and KWARGS requires grad (below autograd its
+    output has no `requires_grad` yet)."""
+    return any(t.requires_grad for t in tensors_in((args, kwargs)))
 
 
 def _checkpoint_forward_code():

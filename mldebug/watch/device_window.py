@@ -20,7 +20,7 @@ from ..core import cuda_graphs as _cuda_graphs
 from ..core import frames as _frames
 from ..core.structs import tensors_in
 from .checks import (_F32, METADATA_KEY, _counts, _floating, _getframe, _grad_enabled,
-                     _isfinite, user_code_in_backward)
+                     _isfinite, any_requires_grad, user_code_in_backward)
 from .context import module_record
 from .ops import LOG_AT_ZERO
 from .step_ledger import cuda_graph_aside, first_bad
@@ -200,7 +200,7 @@ class DeviceWindow:
                           (stage, node_name, node_prov, record, here, self._micro), prior,
                           flat[0].dtype, safe, memory, written,
                           _grad_enabled() and (grad or (nested or bool(kwargs)) and
-                                               _any_requires_grad(args, kwargs))))
+                                               any_requires_grad(args, kwargs))))
         if len(self._win) >= WINDOW_MAX:
             self._flush_window()
         return here
@@ -309,12 +309,6 @@ class DeviceWindow:
                 if rec[2]:
                     self._nan_marks[address] = storage_ref
         return mark[2] if mark is not None else None
-
-
-def _any_requires_grad(args, kwargs) -> bool:
-    """Whether an input of the op requires grad (its output, below autograd, has no
-    `requires_grad` yet): what a stand-in of the output is judged with."""
-    return any(t.requires_grad for t in tensors_in((args, kwargs)))
 
 
 def _stand_in(norm, info, grad) -> Tensor:
