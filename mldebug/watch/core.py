@@ -178,8 +178,9 @@ class Watch(PerOpCheck, Verdict, Taint, DeviceWindow, DeviceReads, Roots, Health
         self._marks: dict = {}      # storage ptr -> (weakref, version, Mark): of those, the
                                     # values written on purpose or flowing from one (marks.py)
         self._nan_marks: dict = {}  # storage ptr -> weakref: of those, the ones with a NaN
-        self._log_marks = False     # a log(0) inside a model was judged a value (ops.py
-                                    # LOG_AT_ZERO): the outermost calls' outputs look for it
+        self._made_marks = False    # an op's Inf/NaN was judged a value made on purpose
+                                    # (ops.py LOG_AT_ZERO, ZERO_TIMES_INF): the outermost
+                                    # calls' outputs look for it
         self._flowed_mark = None    # the Mark of the last value judged to flow from one
         self._late = None           # (frame, text) while read before an exception
         self._in_formula: list = []  # (node, output, violation): a NaN/Inf made inside
@@ -444,7 +445,7 @@ class Watch(PerOpCheck, Verdict, Taint, DeviceWindow, DeviceReads, Roots, Health
                 record = record[1]
             if record is not None:
                 self._top = record[1]
-        if self._top is None and self._log_marks:
+        if self._top is None and self._made_marks:
             self._check_output_marks(module, output)
         if self._learning and not self._rerunning:
             self._learn_post(module, args, _caller(1))

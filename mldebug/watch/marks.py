@@ -46,9 +46,10 @@ from ..core import frames as _frames
 from ..core.records import Violation
 from ..core.structs import tensors_in
 from . import checks as _checks
-from .checks import _caller, _checkable, _counts, _isfinite, _summary
+from .checks import _caller, _checkable, _counts, _isfinite, _summary, gradient_flows
 from .native_check import nonfinite as _native_nonfinite
-from .roots import call_kwargs
+from .ops import LOG_AT_ZERO, ZERO_TIMES_INF
+from .roots import call_kwargs, in_a_root
 
 # names whose attribute `nan`/`inf` is a constant in a literal (`math.inf`, `np.nan`)
 _CONSTANT_MODULES = frozenset({"math", "np", "numpy", "torch"})
@@ -170,6 +171,38 @@ class WrittenMarks:
                         mark=mark_here(caller))
         return out
 
+    # -- a value an op makes on purpose ------------------------------------------------
+    def _inf_made_on_purpose(self, info, args, kwargs, out, posinf, stage, record, running):
+        """What made OUT's Inf from finite inputs on purpose (a Mark's `made_by`), or "":
+        log(0) = -inf inside a model where no gradient flows (ops.LOG_AT_ZERO); the
+        optimizer's own arithmetic on a temporary (RAdam divides by a rectification term
+        of 0 and takes the reciprocal), judged by what it leaves in the parameters and the
+        state. RUNNING: the op runs now (not judged later from a device window)."""
+        if stage == "optimizer":
+            return "" if self._holds_state(out) else f"{info.torch_op} in the optimizer's step"
+        if posinf or info.short not in LOG_AT_ZERO or stage != "forward" or record is None \
+                or gradient_flows(out, args, kwargs, running):
+            return ""
+        self._made_marks = True
+        return f"{info.torch_op} of {'-1' if 'log1p' in info.short else '0'}"
+
+    def _nan_made_on_purpose(self, info, args, kwargs, out, nonfinite, stage, record,
+                             running):
+        """What made OUT's NaN from the Infs of NONFINITE (the judge's rows of its
+        inputs) on purpose, or "": 0 * a -Inf written on purpose where no gradient flows
+        (ops.ZERO_TIMES_INF), outside modules or inside a call whose output the watch
+        checks as it returns (a module outside the roots returns it unseen: made there
+        is a stop)."""
+        if info.short not in ZERO_TIMES_INF or stage != "forward" \
+                or not all(r[6] for r in nonfinite) \
+                or not (record is None or self.exact or in_a_root(self._roots, record)) \
+                or gradient_flows(out, args, kwargs, running):
+            return ""
+        self._made_marks = True
+        maker = nonfinite[0][6]
+        source = f"of {maker.origin.made_by}" if maker.origin.made_by else "written on purpose"
+        return f"{info.torch_op} of 0 and the -Inf {source} at {maker.where()}"
+
     # -- where a mark must not go ------------------------------------------------------
     def _check_call_marks(self, module, args, kwargs=None, site=None, backwards=None) -> None:
         """An outermost module call: a NaN written on purpose among its arguments is a
@@ -257,13 +290,17 @@ class WrittenMarks:
                 inputs=list(inputs), param=param, node=node,
                 step=self._steps if self._opt_seen else None, reached=what, made_by=made_by,
                 micro_batch=self._micro_by_op(stage, backwards),
-                text=(f"{made_by} is {'-' if counts[2] else ''}Inf at {where}: a value "
-                      f"on its own (a log-space mask, a temporary), not a stop; it reaches "
-                      f"{what}"),
+                text=(f"{made_by} is {'-' if kind == 'inf' and counts[2] else ''}{noun} "
+                      f"at {where}: a value on its own (a log-space mask, a temporary), not "
+                      f"a stop; it reaches {what}"),
                 hint=(f"{made_by} is -Inf; fix at {where}: clamp the input by an eps "
                       "(torch.log(x.clamp_min(1e-12))), or mask the -Inf out (torch.where) "
                       "before it reaches the loss, a gradient or a parameter")
-                if "log" in mark.origin.op[0] else "")
+                if "log" in mark.origin.op[0] else
+                (f"0 * -Inf is NaN; fix at {where}: leave the masked entries out of the "
+                 "product (torch.where(mask, 0, logp), torch.special.xlogy), or mask the "
+                 "NaN out (torch.nan_to_num, torch.nansum) before it goes on")
+                if "mul" in mark.origin.op[0] else "")
         return Violation(
             kind=kind, op=op, torch_op=torch_op, module=module, module_type=module_type,
             stage=stage, frame=frame, file=mark.file, line=mark.line,

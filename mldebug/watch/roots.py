@@ -104,6 +104,15 @@ class RootInfo:
         self.used, self.start = {}, {}
 
 
+def in_a_root(roots, record) -> bool:
+    """Whether the outermost module call of RECORD (a module record, context.py) is one of
+    ROOTS (id -> RootInfo): one whose output the watch checks as it returns."""
+    while record[1] is not None:
+        record = record[1]
+    info = roots.get(id(record[0]))
+    return info is not None and info.ref() is record[0]
+
+
 def _collective(module) -> str:
     """Why re-running MODULE's forward on one rank alone would wait for the others."""
     kind = type(module)

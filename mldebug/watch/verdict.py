@@ -27,11 +27,11 @@ from ..remedies import hints as _hints
 from . import data_origin as _data_origin
 from .amp import SCALER_OPS, stays_unscaled
 from .checks import (_ALLOWED, METADATA_KEY, _caller, _counts, _floating, _isfinite,
-                     _summary, gradient_flows, push, torch_formula,
+                     _summary, push, torch_formula,
                      user_code_in_backward)
 from .context import module_record
 from .marks import Mark
-from .ops import CONSTANT_WRITERS, LOG_AT_ZERO, WORKSPACE_OUTPUTS, argument_name, matches
+from .ops import CONSTANT_WRITERS, WORKSPACE_OUTPUTS, argument_name, matches
 
 _current_node = torch._C._current_autograd_node
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
@@ -226,7 +226,8 @@ class Verdict:
         lineage = any(r[5] for r in nonfinite)   # descends from a reported stop
         culprit = ""
         culprit_value = None       # the input it came in through, when not made here
-        made = False               # made here, judged as a constant written (below)
+        made = ""                  # what made it here on purpose (marks.py), judged as a
+                                   # constant written
         text = ""
         stop = False
         if out_nan:
@@ -247,6 +248,9 @@ class Verdict:
                         culprit = (f"{culprit}, made by {maker.origin.made_by} at "
                                    f"{maker.where()}")
                         text = f"{culprit} (-Inf)"
+                    if stop and "inf-all" not in self.break_on:
+                        made = self._nan_made_on_purpose(info, args, kwargs, bad, nonfinite,
+                                                         stage, record, here is None)
             else:
                 unknown = [r for r in rows if r[2] and not r[4]]
                 created = False
@@ -258,27 +262,10 @@ class Verdict:
             if not nonfinite:
                 created = True
                 stop = "inf" in self.break_on
-                if stop and posinf == 0 and info.short in LOG_AT_ZERO and stage == "forward" \
-                        and record is not None and "inf-all" not in self.break_on \
-                        and not gradient_flows(bad, args, kwargs, here is None):
-                    # log(0) = -inf inside a model where no gradient flows: made on
-                    # purpose, as a constant written (ops.LOG_AT_ZERO)
-                    stop, created, made = False, False, True
-                    self._log_marks = True
-                    written = Mark(*self._op_location(stage, node_prov, here, frame),
-                                   made_by=f"{info.torch_op} of "
-                                           f"{'-1' if 'log1p' in info.short else '0'}",
-                                   op=(info.name, info.torch_op))
-                elif stop and stage == "optimizer" and "inf-all" not in self.break_on \
-                        and not self._holds_state(bad):
-                    # the optimizer's own arithmetic on a temporary (RAdam divides by a
-                    # rectification term of 0 and takes the reciprocal): judged by what
-                    # it leaves in the parameters and the state, as a constant written
-                    stop, created, made = False, False, True
-                    written = Mark(*self._op_location(stage, node_prov, here, frame),
-                                   made_by=f"{info.torch_op} in the optimizer's step",
-                                   op=(info.name, info.torch_op))
-                elif stop and info.short == "_ctc_loss" and (
+                if stop and "inf-all" not in self.break_on:
+                    made = self._inf_made_on_purpose(info, args, kwargs, bad, posinf, stage,
+                                                     record, here is None)
+                if stop and not made and info.short == "_ctc_loss" and (
                         kwargs.get("zero_infinity") if kwargs else
                         len(args) > 5 and args[5] is True):
                     # an alignment that cannot be made: CTCLoss(zero_infinity=True) zeroes
@@ -291,6 +278,10 @@ class Verdict:
                 if unknown and "inf-all" in self.break_on:
                     stop = True
                     culprit, culprit_value = unknown[0][0], unknown[0][1]
+        if made:        # made on purpose: judged as a constant written (marks.py)
+            stop, created = False, False
+            written = Mark(*self._op_location(stage, node_prov, here, frame), made_by=made,
+                           op=(info.name, info.torch_op))
         if stop and stage == "optimizer" and self._opt_stop_step == self._steps:
             stop = False   # one stop per optimizer step: the other parameters follow
         # (a NaN made in backward from Infs not judged a stop: from the overflow that
@@ -307,7 +298,7 @@ class Verdict:
             text = self._amp.with_note(text)
         # a value written on purpose flows on: no stop, unless it reaches a gradient, a
         # parameter or the optimizer's state (marks.py)
-        mark = None if created or stop or lineage else next(
+        mark = written if made else None if created or stop or lineage else next(
             (r[6] for r in nonfinite if r[6] is not None), written)
         reached = ""
         if mark is not None and not made:

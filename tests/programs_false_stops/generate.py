@@ -1,6 +1,8 @@
 """transformers' generate from a tiny GPT-2 made from a config (nothing downloaded):
 sampling with top_k / top_p and a repetition penalty (the filtered logits are set to
--inf), then beam search (its beams start from -inf scores)."""
+-inf), typical sampling (its entropy multiplies the filtered logits' -inf
+log-probabilities by their probability 0 and sums with `nansum`), then beam search (its
+beams start from -inf scores)."""
 import hashlib
 
 import torch
@@ -14,6 +16,9 @@ prompt = torch.randint(2, 64, (2, 5))
 sampled = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
                          top_k=8, top_p=0.9, repetition_penalty=1.3, max_new_tokens=10)
 print("sampled", sampled.tolist())
+typical = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
+                         top_k=8, typical_p=0.9, max_new_tokens=10)
+print("typical", typical.tolist())
 beams = model.generate(prompt, attention_mask=torch.ones_like(prompt), num_beams=3,
                        do_sample=False, max_new_tokens=8, early_stopping=True)
 print("beams", beams.tolist())

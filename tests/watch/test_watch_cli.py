@@ -187,6 +187,65 @@ def test_log_of_zero_inside_a_model_stops_where_the_model_returns_it(
     assert "clamp the input by an eps" in stop["hint"], stop
 
 
+ENTROPY = """
+    import copy
+    import torch
+    from torch import nn
+
+    class Policy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(4, 5)
+
+        def forward(self, x, legal):
+            logp = self.head(x).masked_fill(~legal, float("-inf")).log_softmax(-1)
+            plogp = logp.exp() * logp   # here: 0 * -inf = NaN at each illegal action
+            return -{entropy}.sum(-1)
+
+    torch.manual_seed(0)
+    policy = Policy()
+    legal = torch.rand(8, 5) > 0.3
+    legal[:, 0] = True
+    if {copied}:      # learned as the root, then a copy evaluated: a module outside it
+        policy(torch.randn(8, 4), legal).sum().backward()
+        policy = copy.deepcopy(policy)
+    with torch.{grad}():
+        for step in range(3):
+            print("entropy", step, policy(torch.randn(8, 4), legal).tolist())
+"""
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+@pytest.mark.parametrize("case", ["masked", "returned", "with gradient", "a copy"])
+def test_zero_times_a_masked_inf_is_a_value_until_the_model_returns_it(
+        write_program, tmp_path, path, case):
+    # p * log p of a masked action is 0 * -inf = NaN: where no gradient flows a value
+    # made on purpose (transformers' typical sampling sums it with nansum), a stop once
+    # the model returns it; where a gradient flows (its derivative is NaN), and in a
+    # module whose return the watch does not see (a copy of the model), where made
+    entropy = "torch.where(legal, plogp, 0)" if case == "masked" else "plogp"
+    grad = "enable_grad" if case == "with gradient" else "no_grad"
+    prog = write_program(ENTROPY.format(entropy=entropy, grad=grad, copied=case == "a copy"))
+    result, report = _batch_run(prog, tmp_path, path)
+    if case == "masked":
+        plain = subprocess.run([sys.executable, str(prog)], capture_output=True, text=True,
+                               env=clean_env(), timeout=120)
+        assert (result.returncode, result.stdout) == (0, plain.stdout), result.stderr
+        assert not report.exists() or not read_report(report)
+        return
+    assert result.returncode == 3, result.stderr
+    assert "entropy" not in result.stdout
+    (stop,) = read_report(report)
+    assert (stop["file"], stop["line"]) == (str(prog), marker_line(prog)), stop
+    assert (stop["op"], stop["created"], stop["kind"] if "kind" in stop else "nan") == (
+        "aten.mul.Tensor", True, "nan"), stop
+    if case == "returned":
+        assert stop["reached"].startswith("the output of the model call Policy"), stop
+        assert "leave the masked entries out of the product" in stop["hint"], stop
+    else:
+        assert stop["reached"] == "" and stop["stage"] == "forward", stop
+
+
 CODE_IN_BACKWARD = {
     "tensor hook": """
         import torch
