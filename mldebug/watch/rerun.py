@@ -15,6 +15,9 @@ The re-run starts from the call's record (step.RootCall), as the call started:
 - the arguments as they were passed (copied as each call starts once a call of the root
   wrote one in place: a first layer `ReLU(inplace=True)`);
 - the module is called, not its `forward`: the root's own hooks run again;
+- what the re-run changes in Python is put back afterwards: the attributes of the
+  modules it runs (a call counter, a list a forward appends to) and Python's and numpy's
+  random generators (the re-run draws from them as they are, not as the call started);
 - DDP: its inner module is the root, and the re-run calls it; DDP's own forward (its
   buffer broadcast, the reducer's preparation) runs outside, never in a re-run, and the
   re-run's backward accumulates into no `.grad`, so no collective runs on one rank alone.
@@ -34,6 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import random
+import sys
 
 import torch
 
@@ -168,7 +173,8 @@ class Rerun:
         previous = self._rerun
         self._rerun = (started, call.site, self._micro_of(call.micro))
         try:
-            with self._full_watch(outer), _as_the_call_started(call) as (args, kwargs):
+            with self._full_watch(outer), _python_state_kept(_modules_of(info)), \
+                    _as_the_call_started(call) as (args, kwargs):
                 out = module(*args, **kwargs)
                 self._top = outer
                 if backward:
@@ -237,6 +243,19 @@ class Rerun:
                                         mark=None if mark is None else mark.flowing())
 
 
+def _modules_of(info) -> list:
+    """The modules a root's call runs: its own, and the layers it uses but does not own
+    (those whose buffers it records)."""
+    root = info.module
+    modules = list(root.modules()) if root is not None else []
+    seen = {id(m) for m in modules}
+    for m, _ in info.buffers:
+        if id(m) not in seen:
+            seen.add(id(m))
+            modules.append(m)
+    return modules
+
+
 def _identity(t):
     return t
 
@@ -249,6 +268,46 @@ def _own_saved_tensors():
         return torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
     except Exception:  # noqa: BLE001 - hooks disabled here (functorch): nothing to hide
         return contextlib.nullcontext()
+
+
+# a module's own bookkeeping (parameters, buffers, children, hooks): not the program's
+_MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)
+_CONTAINERS = (list, dict, set)
+
+
+@contextlib.contextmanager
+def _python_state_kept(modules):
+    """What a re-run changes in Python is put back as it was before it: the attributes of
+    MODULES (a call counter `self.calls += 1`, `self.last_attention = ...`, the contents
+    of a list, dict or set one holds: `self.seen.append(x)`), and Python's and numpy's
+    random generators. A call's tensors are restored by `_as_the_call_started`; state
+    outside its modules (a global, an argument that is not a tensor) is not."""
+    saved = []
+    for m in modules:
+        attributes = m.__dict__
+        contents = [(v, list(v) if type(v) is list else v.copy())
+                    for k, v in attributes.items()
+                    if type(v) in _CONTAINERS and k not in _MODULE_INTERNALS]
+        saved.append((attributes, dict(attributes), contents))
+    py_random = random.getstate()
+    np_random = sys.modules.get("numpy")
+    np_random = np_random.random.get_state() if np_random is not None else None
+    try:
+        yield
+    finally:
+        for attributes, before, contents in saved:
+            for key in [k for k in attributes if k not in before]:
+                del attributes[key]
+            attributes.update(before)
+            for value, content in contents:
+                if type(value) is list:
+                    value[:] = content
+                else:
+                    value.clear()
+                    value.update(content)
+        random.setstate(py_random)
+        if np_random is not None:
+            sys.modules["numpy"].random.set_state(np_random)
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ where a re-run cannot pin the op, a stop that says so and names what the check s
 from __future__ import annotations
 
 import contextlib
+import random
 
 import pytest
 import torch
@@ -698,15 +699,20 @@ def test_the_rng_a_replay_restores_is_torchs_own_state(monkeypatch):
 
 # -- what a re-run restores ------------------------------------------------------------
 class Probe(nn.Module):
-    """Keeps a copy of what it is given, call by call (a re-run's calls too)."""
+    """Keeps a copy of what it is given, call by call (a re-run's calls too: kept outside
+    the module, whose own attributes a re-run puts back)."""
 
     def __init__(self):
         super().__init__()
-        self.seen = []
+        self.seen = lambda: SEEN[id(self)]
+        SEEN[id(self)] = []
 
     def forward(self, x):
-        self.seen.append(x.detach().clone())
+        SEEN[id(self)].append(x.detach().clone())
         return x
+
+
+SEEN: dict = {}
 
 
 class LogBelow(nn.Module):
@@ -740,7 +746,7 @@ def test_a_re_run_starts_from_the_buffers_as_the_call_started(device):
     model, got = run(True)
     assert [(v.op, v.module, v.line) for v in got] == [
         ("aten.log.default", "3", lineno(LogBelow.forward))]
-    seen = model[2].seen
+    seen = model[2].seen()
     assert len(seen) == 5                      # 4 calls and the re-run of the third
     assert torch.equal(seen[3], seen[2])       # the re-run computed what the call did
     assert not torch.equal(seen[3], seen[1])   # (u moves from call to call)
@@ -867,3 +873,48 @@ def test_a_checkpointed_blocks_backward_is_pinned_by_the_re_run(device):
         stops[exact] = [(v.stage, v.node, v.line, v.step) for v in got]
     assert stops[False] == stops[True] == [
         ("backward", "SqrtBackward0", lineno(CheckpointedBlock.forward), 2)]
+
+
+class Annealed(nn.Module):
+    """A policy whose forward keeps Python state (a call counter that anneals its
+    temperature, a list of the temperatures, a draw from Python's random) and returns
+    masked logits: -inf on illegal actions, on purpose (its first cheap check finds
+    them and re-runs the call to judge them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.calls = 0
+        self.temperatures = []
+
+    def forward(self, obs, legal):
+        self.calls += 1
+        tau = max(0.5, 1.0 - 0.1 * self.calls) * (1 + random.random() / 100)
+        self.temperatures.append(tau)
+        return (self.fc(obs) / tau).masked_fill(~legal, float("-inf"))
+
+
+def test_a_re_run_puts_back_what_the_call_changed_in_python(device):
+    def run(watched):
+        random.seed(0)
+        torch.manual_seed(0)
+        policy = Annealed().to(device)
+        opt = torch.optim.SGD(policy.parameters(), lr=0.1)
+        legal = torch.tensor([[True, True, False]] * 4, device=device)
+        got, w = collect() if watched else ([], contextlib.nullcontext())
+        with w:
+            for step in range(4):
+                logits = policy(torch.randn(4, 4, device=device), legal)
+                loss = -torch.log_softmax(logits, -1)[:, 0].mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        return policy, got, random.random()
+
+    plain, _, plain_draw = run(False)
+    policy, got, draw = run(True)
+    assert got == []
+    assert (policy.calls, policy.temperatures, draw) == (
+        plain.calls, plain.temperatures, plain_draw)
+    for a, b in zip(plain.parameters(), policy.parameters()):
+        assert torch.equal(a, b)
