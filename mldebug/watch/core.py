@@ -160,6 +160,10 @@ class Watch(PerOpCheck, Verdict, Taint, DeviceWindow, DeviceReads, Roots, Health
         self._infos = _OP_INFOS     # shared: an OpInfo depends on the overload only
         self._pending: list = []    # forward outputs waiting for their grad_fn
         self._win: list = []        # device window entries
+        self._win_returned: list = []   # (its first entry, entries before its return,
+                                        # slots): what a backward formula with entries
+                                        # in the window returned
+        self._formula_node = None   # the last such formula
         self._stash: list = []      # violations found off the owner thread
         self._in_compiled = 0       # a compiled function runs (compiled.py): not held
         self._compiled_seen = False  # ... ran since the start (compiled with our hooks)
@@ -186,6 +190,7 @@ class Watch(PerOpCheck, Verdict, Taint, DeviceWindow, DeviceReads, Roots, Health
         self._in_formula: list = []  # (node, output, violation): a NaN/Inf made inside
                                      # one of torch's backward formulas, judged once the
                                      # formula returned (verdict.py)
+        self._formula_returned: dict = {}   # id(node) -> whether what it returned is finite
         self._constant_unread = False   # a device's op wrote a NaN/Inf constant (or one
                                         # flowing from it) that no read has judged yet
         # -- where an op runs

@@ -20,7 +20,7 @@ from ..core import cuda_graphs as _cuda_graphs
 from ..core import frames as _frames
 from ..core.structs import tensors_in
 from .checks import (_F32, METADATA_KEY, _counts, _floating, _getframe, _grad_enabled,
-                     _isfinite, any_requires_grad, user_code_in_backward)
+                     _isfinite, any_requires_grad, torch_formula, user_code_in_backward)
 from .context import module_record
 from .ops import LOG_AT_ZERO
 from .step_ledger import cuda_graph_aside, first_bad
@@ -86,6 +86,9 @@ class DeviceWindow:
             stage, node_name = "backward", node.name()
             node_prov = node.metadata.get(METADATA_KEY)
             here = None
+            if node is not self._formula_node and torch_formula(node):
+                self._formula_node = node     # (its first op here: what it returns, too)
+                self._hold_what_it_returns(node)
             try:
                 f = user_code_in_backward(_getframe(2))
             except ValueError:               # (autograd's device thread: no caller)
@@ -218,24 +221,41 @@ class DeviceWindow:
             if not (self._can_defer() and self._ledger.holds_tensors()):
                 self._read_ledger()
 
+    def _hold_what_it_returns(self, node):
+        """NODE is one of torch's backward formulas: what it returns is held too, and
+        where in the window it returned, so that a NaN/Inf made inside it that it
+        discards itself (`where(grad > 0, log(|grad|), min)` in logcumsumexp's) is judged
+        as the host path judges it: by what the formula returns (verdict.py)."""
+        start = len(self._win)    # (its first op's entry comes next)
+
+        def returned(grad_inputs, _grad_outputs):
+            handle.remove()
+            held = [g for g in grad_inputs if isinstance(g, Tensor) and g.is_floating_point()]
+            with self._own_ops():      # (a hook: the mode may be on; a reduction is ours)
+                slots = self._ledger.hold(held)
+            self._win_returned.append((start, len(self._win), slots))
+        handle = node.register_hook(returned)
+
     def _window_to_ledger(self):
         win, self._win = self._win, []
-        self._ledger.then(partial(self._judge_window, win))
+        returned, self._win_returned = self._win_returned, []
+        self._formula_node = None
+        self._ledger.then(partial(self._judge_window, win, returned))
 
-    def _judge_window(self, win, values):
+    def _judge_window(self, win, returned, values):
         """A judge of the ledger: the window's flagged ops, in order, judged as the
         per-op check would have. Runs from hooks, where the mode may be active:
         suspended, so that its own ops are not watched."""
         with self.suspended():
-            self._judge_flagged_ops(win, values)
+            self._judge_flagged_ops(win, returned, values)
 
-    def _judge_flagged_ops(self, win, values):
+    def _judge_flagged_ops(self, win, returned, values):
         n0 = len(self.violations)
         made: dict = {}   # memory address -> (the non-finite value, or None, of the last
                           # op of this window that wrote there; a stop came before it;
                           # the Mark of a value written on purpose, or None)
-        for (slots, func, info, wargs, wkwargs, wouts, entry, prior, dtype, safe, memory,
-             written, grad) in win:
+        for index, (slots, func, info, wargs, wkwargs, wouts, entry, prior, dtype, safe,
+                    memory, written, grad) in enumerate(win):
             value = first_bad(values, slots)
             if value is None or (safe and not self._taint):
                 # (safe: what the host path would not have checked: a NaN/Inf that came
@@ -278,7 +298,10 @@ class DeviceWindow:
             else:
                 dtype = None
             freed = _freed_inputs(made, memory, prior, self._taint_at, self._mark_at, since)
-            self._slow(func, info, args, kwargs, outs, entry, note, freed, dtype)
+            # (in one of torch's backward formulas: whether what it returned was finite)
+            formula = next((first_bad(values, held) is None for start, end, held in returned
+                            if start <= index < end), None) if returned else None
+            self._slow(func, info, args, kwargs, outs, entry, note, freed, dtype, formula)
             mark = None
             if note:
                 # judged by its norm: what was judged of it is of the op's memory too (a

@@ -50,13 +50,16 @@ class Verdict:
             return "backward"
         return "optimizer" if self._opt_depth else "forward"
 
-    def _slow(self, func, info, args, kwargs, outs, entry, note="", freed=None, dtype=None):
+    def _slow(self, func, info, args, kwargs, outs, entry, note="", freed=None, dtype=None,
+              formula=None):
         """An output's check failed: count exactly, apply the rule, report a stop.
 
         `entry` is a device-window entry (stage, node name, provenance, module record,
         location) when the op ran earlier; None when it is running now. `freed`: an
         input is gone, and what it is taken to have held (has NaN, has Inf, descends
         from a stop). `dtype`: that of the output, when it is gone (judged by its sum).
+        `formula`: judged later inside one of torch's backward formulas, whether what the
+        formula returned was finite (None: not known).
         """
         if self._recomputing and self._stop_step == self._steps:
             # a checkpoint recomputes a forward of this step that made a stop: what it
@@ -102,27 +105,46 @@ class Verdict:
         if entry is None and reported.created and torch_formula(node):
             self._judge_when_formula_ends(node, made, reported)
             return
+        if formula and reported.created:
+            self._forget_taint(made)   # (the formula's own: what it returned is finite)
+            return
         self._report(reported)
 
     def _judge_when_formula_ends(self, node, t, v) -> None:
         """A NaN/Inf made inside one of torch's backward formulas (NODE's), from finite
         values: a formula may mask it itself before it returns (the norm's derivative at
         0 is `(grad / norm).masked_fill_(norm == 0, 0)`, F.normalize's of an all-zero
-        row), so it is a stop only if it is still there when the formula has returned:
+        row; logcumsumexp's, xlogy's and cumprod's discard theirs with `where`), so it is
+        a stop only if it is still there, and in what the formula returns, when it has
+        returned:
         judged at the next op of another node (the per-op check), or when backward ends.
         A formula the program wrote (an autograd.Function) is judged at once, paused in
         its code."""
         if not self._in_formula:
             _queue_callback(self._judge_formulas)
+        if all(n is not node for n, _, _ in self._in_formula):
+            returned = self._formula_returned
+
+            def formula_returned(grad_inputs, _grad_outputs):
+                # (what the formula returns: finite when it discarded the value itself,
+                # `where(grad > 0, log(|grad|), min)` in logcumsumexp's)
+                handle.remove()
+                with self._own_ops():
+                    returned[id(node)] = not any(
+                        sum(_counts(g)) for g in grad_inputs if isinstance(g, Tensor))
+
+            handle = node.register_hook(formula_returned)
         self._in_formula.append((node, t, v))
 
     def _judge_formulas(self) -> None:
-        """The formulas returned: each value judged inside one that is still not finite
-        is a stop; one the formula masked was the formula's own (forgotten)."""
+        """The formulas returned: each value judged inside one that is still not finite,
+        and that reaches what the formula returns, is a stop; one the formula masked or
+        left out of what it returns was the formula's own (forgotten)."""
         pending, self._in_formula = self._in_formula, []
-        for _, t, v in pending:
+        returned, self._formula_returned = self._formula_returned, {}
+        for node, t, v in pending:
             with self._own_ops():
-                masked = not sum(_counts(t))
+                masked = returned.get(id(node)) or not sum(_counts(t))
             if masked:
                 self._forget_taint(t)
             elif not self._skip:
