@@ -15,9 +15,12 @@ The re-run starts from the call's record (step.RootCall), as the call started:
 - the arguments as they were passed (copied as each call starts once a call of the root
   wrote one in place: a first layer `ReLU(inplace=True)`);
 - the module is called, not its `forward`: the root's own hooks run again;
-- what the re-run changes in Python is put back afterwards: the attributes of the
-  modules it runs (a call counter, a list a forward appends to) and Python's and numpy's
-  random generators (the re-run draws from them as they are, not as the call started);
+- what the re-run changes in its modules' state is put back afterwards, or never
+  touched (`_state_kept`): their attributes (a call counter, a list a forward appends
+  to, a `torch.Generator`), tensors a call writes in place (running statistics kept as
+  a plain tensor, a momentum encoder's parameters: the re-run writes copies), and
+  Python's and numpy's random generators (the re-run draws from those as they are, not
+  as the call started);
 - DDP: its inner module is the root, and the re-run calls it; DDP's own forward (its
   buffer broadcast, the reducer's preparation) runs outside, never in a re-run, and the
   re-run's backward accumulates into no `.grad`, so no collective runs on one rank alone.
@@ -173,7 +176,7 @@ class Rerun:
         previous = self._rerun
         self._rerun = (started, call.site, self._micro_of(call.micro))
         try:
-            with self._full_watch(outer), _python_state_kept(_modules_of(info)), \
+            with self._full_watch(outer), _state_kept(_modules_of(info), info.written), \
                     _as_the_call_started(call) as (args, kwargs):
                 out = module(*args, **kwargs)
                 self._top = outer
@@ -276,25 +279,45 @@ _CONTAINERS = (list, dict, set)
 
 
 @contextlib.contextmanager
-def _python_state_kept(modules):
-    """What a re-run changes in Python is put back as it was before it: the attributes of
-    MODULES (a call counter `self.calls += 1`, `self.last_attention = ...`, the contents
-    of a list, dict or set one holds: `self.seen.append(x)`), and Python's and numpy's
-    random generators. A call's tensors are restored by `_as_the_call_started`; state
-    outside its modules (a global, an argument that is not a tensor) is not."""
-    saved = []
-    for m in modules:
-        attributes = m.__dict__
-        contents = [(v, list(v) if type(v) is list else v.copy())
-                    for k, v in attributes.items()
-                    if type(v) in _CONTAINERS and k not in _MODULE_INTERNALS]
-        saved.append((attributes, dict(attributes), contents))
+def _state_kept(modules, written):
+    """What a re-run changes in its modules' state beyond their buffers
+    (`_as_the_call_started`) is put back as it was before it, or never touched: their
+    attributes (a call counter `self.calls += 1`, the contents of a list, dict, set or
+    numpy array one holds: `self.seen.append(x)`), the state of a `torch.Generator` one
+    holds, Python's and numpy's random generators; a tensor attribute (running
+    statistics kept as a plain tensor) and a parameter a call writes in place (WRITTEN,
+    learned: a momentum encoder's) are swapped for copies, which the re-run writes. State
+    outside the modules (a global, an argument that is not a tensor) is not kept."""
+    saved, generators, swapped = [], [], []
+    with torch.no_grad():
+        for m in modules:
+            attributes = m.__dict__
+            before = dict(attributes)
+            contents = []
+            for k, v in before.items():
+                if k in _MODULE_INTERNALS:
+                    continue
+                kind = type(v)
+                if kind in _CONTAINERS or kind.__name__ == "ndarray":
+                    contents.append((v, list(v) if kind is list else v.copy()))
+                elif kind is torch.Generator:
+                    generators.append((v, v.get_state()))
+                elif kind in _PLAIN and not v.requires_grad:
+                    attributes[k] = v.clone()     # (BEFORE binds the program's back)
+            saved.append((attributes, before, contents))
+        for m, name in written:
+            p = m._parameters.get(name)
+            if p is not None:
+                m._parameters[name] = torch.nn.Parameter(p.detach().clone(), p.requires_grad)
+                swapped.append((m, name, p))
     py_random = random.getstate()
     np_random = sys.modules.get("numpy")
     np_random = np_random.random.get_state() if np_random is not None else None
     try:
         yield
     finally:
+        for m, name, p in swapped:
+            m._parameters[name] = p
         for attributes, before, contents in saved:
             for key in [k for k in attributes if k not in before]:
                 del attributes[key]
@@ -302,9 +325,13 @@ def _python_state_kept(modules):
             for value, content in contents:
                 if type(value) is list:
                     value[:] = content
+                elif type(value).__name__ == "ndarray":
+                    value[...] = content
                 else:
                     value.clear()
                     value.update(content)
+        for generator, state in generators:
+            generator.set_state(state)
         random.setstate(py_random)
         if np_random is not None:
             sys.modules["numpy"].random.set_state(np_random)

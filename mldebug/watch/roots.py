@@ -45,7 +45,7 @@ class RootInfo:
     for the watch's life (the module weakly)."""
 
     __slots__ = ("ref", "wrapper", "used", "start", "calls", "params", "buffers", "copied",
-                 "copies_args", "collective", "compiled", "__weakref__")
+                 "written", "copies_args", "collective", "compiled", "__weakref__")
 
     def __init__(self, module, wrapper=None):
         self.ref = weakref.ref(module)
@@ -59,6 +59,8 @@ class RootInfo:
         self.buffers: list = []      # (module, name) of the buffers of those modules
         self.copied: list = []       # indices into buffers that a call writes in place:
                                      # copied as each call starts, for a re-run
+        self.written: list = []      # (module, name) of parameters a call writes in place
+                                     # (a momentum encoder's): a re-run writes copies
         self.copies_args = False     # a call writes its argument in place: copied too
         self.collective = ""         # why a re-run would run a collective (FSDP2, ...)
         self.compiled = type(module).__name__ == "OptimizedModule" or \
@@ -69,7 +71,8 @@ class RootInfo:
         return self.ref()
 
     def note(self, module) -> None:
-        """MODULE runs inside the first call: its buffers as they are before it runs."""
+        """MODULE runs inside the first call: its buffers as they are before it runs (the
+        root's, as it starts: the parameters of all its modules too)."""
         if id(module) in self.used:
             return
         self.used[id(module)] = module
@@ -77,6 +80,12 @@ class RootInfo:
         for name, b in module._buffers.items():
             if b is not None and (id(module), name) not in start:
                 start[(id(module), name)] = (b, version_of(b))
+        if len(self.used) > 1:
+            return
+        for m in module.modules():
+            for name, p in m._parameters.items():
+                if p is not None:
+                    start[(id(m), name, "p")] = (p, version_of(p))
 
     def learned(self, args, kwargs) -> None:
         """The first call returned: the parameters and buffers of what it called, and
@@ -87,10 +96,14 @@ class RootInfo:
         modules += [m for k, m in self.used.items() if k not in seen]
         params, ids = [], set()
         for m in modules:
-            for p in m._parameters.values():
+            for name, p in m._parameters.items():
                 if p is not None and id(p) not in ids:
                     ids.add(id(p))
                     params.append(p)
+                    before = self.start.get((id(m), name, "p"))
+                    if before is not None and p is before[0] and before[1] is not None \
+                            and version_of(p) != before[1]:
+                        self.written.append((m, name))
             for name, b in m._buffers.items():
                 if b is not None:
                     before = self.start.get((id(m), name))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import random
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -876,35 +877,47 @@ def test_a_checkpointed_blocks_backward_is_pinned_by_the_re_run(device):
 
 
 class Annealed(nn.Module):
-    """A policy whose forward keeps Python state (a call counter that anneals its
-    temperature, a list of the temperatures, a draw from Python's random) and returns
-    masked logits: -inf on illegal actions, on purpose (its first cheap check finds
-    them and re-runs the call to judge them)."""
+    """A policy whose forward keeps state of its own: a call counter that anneals its
+    temperature, a list of the temperatures, a draw from Python's random, noise from a
+    generator of its own, a running mean kept as a plain tensor, a count in a numpy array,
+    and a momentum copy of its layer updated in place (MoCo's target encoder). It
+    returns masked logits: -inf on illegal actions, on purpose (its first cheap check
+    finds them and re-runs the call to judge them)."""
 
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(4, 3)
+        self.target = nn.Linear(4, 3).requires_grad_(False)
         self.calls = 0
         self.temperatures = []
+        self.noise = torch.Generator().manual_seed(1)
+        self.mean = torch.zeros(4)
+        self.seen = np.zeros(1)
 
     def forward(self, obs, legal):
         self.calls += 1
+        self.seen += len(obs)
         tau = max(0.5, 1.0 - 0.1 * self.calls) * (1 + random.random() / 100)
         self.temperatures.append(tau)
-        return (self.fc(obs) / tau).masked_fill(~legal, float("-inf"))
+        with torch.no_grad():
+            self.mean.mul_(0.9).add_(obs.mean(0), alpha=0.1)
+            for t, p in zip(self.target.parameters(), self.fc.parameters()):
+                t.mul_(0.9).add_(p, alpha=0.1)
+        x = obs - self.mean + torch.randn(obs.shape, generator=self.noise) / 10
+        return ((self.fc(x) + self.target(x)) / tau).masked_fill(~legal, float("-inf"))
 
 
-def test_a_re_run_puts_back_what_the_call_changed_in_python(device):
+def test_a_re_run_puts_back_the_state_the_call_changed(device):
     def run(watched):
         random.seed(0)
         torch.manual_seed(0)
-        policy = Annealed().to(device)
-        opt = torch.optim.SGD(policy.parameters(), lr=0.1)
-        legal = torch.tensor([[True, True, False]] * 4, device=device)
+        policy = Annealed()
+        opt = torch.optim.SGD(policy.fc.parameters(), lr=0.1)
+        legal = torch.tensor([[True, True, False]] * 4)
         got, w = collect() if watched else ([], contextlib.nullcontext())
         with w:
             for step in range(4):
-                logits = policy(torch.randn(4, 4, device=device), legal)
+                logits = policy(torch.randn(4, 4), legal)
                 loss = -torch.log_softmax(logits, -1)[:, 0].mean()
                 opt.zero_grad()
                 loss.backward()
@@ -914,7 +927,9 @@ def test_a_re_run_puts_back_what_the_call_changed_in_python(device):
     plain, _, plain_draw = run(False)
     policy, got, draw = run(True)
     assert got == []
-    assert (policy.calls, policy.temperatures, draw) == (
-        plain.calls, plain.temperatures, plain_draw)
-    for a, b in zip(plain.parameters(), policy.parameters()):
+    assert (policy.calls, policy.temperatures, policy.seen.tolist(), draw) == (
+        plain.calls, plain.temperatures, plain.seen.tolist(), plain_draw)
+    assert torch.equal(policy.noise.get_state(), plain.noise.get_state())
+    assert torch.equal(policy.mean, plain.mean)
+    for a, b in zip(plain.state_dict().values(), policy.state_dict().values()):
         assert torch.equal(a, b)
