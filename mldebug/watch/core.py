@@ -183,7 +183,7 @@ class Watch(PerOpCheck, Verdict, Taint, DeviceWindow, DeviceReads, Roots, Health
                                     # values written on purpose or flowing from one (marks.py)
         self._nan_marks: dict = {}  # storage ptr -> weakref: of those, the ones with a NaN
         self._made_marks = False    # an op's Inf/NaN was judged a value made on purpose
-                                    # (ops.py LOG_AT_ZERO, ZERO_TIMES_INF): the outermost
+                                    # (ops.py LOG_AT_ZERO, NAN_FROM_INFS): the outermost
                                     # calls' outputs look for it
         self._flowed_mark = None    # the Mark of the last value judged to flow from one
         self._late = None           # (frame, text) while read before an exception

@@ -48,7 +48,7 @@ from ..core.structs import tensors_in
 from . import checks as _checks
 from .checks import _caller, _checkable, _counts, _isfinite, _summary, gradient_flows
 from .native_check import nonfinite as _native_nonfinite
-from .ops import LOG_AT_ZERO, ZERO_TIMES_INF
+from .ops import LOG_AT_ZERO, NAN_FROM_INFS
 from .roots import call_kwargs, in_a_root
 
 # names whose attribute `nan`/`inf` is a constant in a literal (`math.inf`, `np.nan`)
@@ -189,11 +189,11 @@ class WrittenMarks:
     def _nan_made_on_purpose(self, info, args, kwargs, out, nonfinite, stage, record,
                              running):
         """What made OUT's NaN from the Infs of NONFINITE (the judge's rows of its
-        inputs) on purpose, or "": 0 * a -Inf written on purpose where no gradient flows
-        (ops.ZERO_TIMES_INF), outside modules or inside a call whose output the watch
+        inputs) on purpose, or "": 0 * a -Inf written on purpose, or the difference of two,
+        where no gradient flows (ops.NAN_FROM_INFS), outside modules or inside a call whose output the watch
         checks as it returns (a module outside the roots returns it unseen: made there
         is a stop)."""
-        if info.short not in ZERO_TIMES_INF or stage != "forward" \
+        if info.short not in NAN_FROM_INFS or stage != "forward" \
                 or not all(r[6] for r in nonfinite) \
                 or not (record is None or self.exact or in_a_root(self._roots, record)) \
                 or gradient_flows(out, args, kwargs, running):
@@ -201,7 +201,8 @@ class WrittenMarks:
         self._made_marks = True
         maker = nonfinite[0][6]
         source = f"of {maker.origin.made_by}" if maker.origin.made_by else "written on purpose"
-        return f"{info.torch_op} of 0 and the -Inf {source} at {maker.where()}"
+        what = "0 and the -Inf" if "mul" in info.short else "the -Infs"
+        return f"{info.torch_op} of {what} {source} at {maker.where()}"
 
     # -- where a mark must not go ------------------------------------------------------
     def _check_call_marks(self, module, args, kwargs=None, site=None, backwards=None) -> None:
@@ -297,10 +298,11 @@ class WrittenMarks:
                       "(torch.log(x.clamp_min(1e-12))), or mask the -Inf out (torch.where) "
                       "before it reaches the loss, a gradient or a parameter")
                 if "log" in mark.origin.op[0] else
-                (f"0 * -Inf is NaN; fix at {where}: leave the masked entries out of the "
-                 "product (torch.where(mask, 0, logp), torch.special.xlogy), or mask the "
-                 "NaN out (torch.nan_to_num, torch.nansum) before it goes on")
-                if "mul" in mark.origin.op[0] else "")
+                (f"{'0 * -Inf' if 'mul' in mark.origin.op[0] else '-Inf - -Inf'} is NaN; "
+                 f"fix at {where}: leave the masked entries out (torch.where(mask, 0, "
+                 "logp), torch.special.xlogy), or mask the NaN out (torch.nan_to_num, "
+                 "torch.nansum) before it goes on")
+                if mark.origin.op[0].startswith(("aten.mul", "aten.sub")) else "")
         return Violation(
             kind=kind, op=op, torch_op=torch_op, module=module, module_type=module_type,
             stage=stage, frame=frame, file=mark.file, line=mark.line,

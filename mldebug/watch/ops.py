@@ -98,11 +98,13 @@ WORKSPACE_OUTPUTS = frozenset({"_ctc_loss"})
 # script) log(0) is the bug it usually is: a stop where it is made.
 LOG_AT_ZERO = frozenset({"log", "log_", "log2", "log2_", "log10", "log10_", "log1p",
                          "log1p_"})
-# 0 * -inf = NaN where no gradient flows, the -inf written on purpose (a masked logit's
-# log-probability times its probability 0: the entropy of typical sampling, then
-# `nansum`; `torch.where(p > 0, p * logp, 0)`): a value made on purpose as well. Where a
-# gradient flows its derivative is NaN: a stop where it is made.
-ZERO_TIMES_INF = frozenset({"mul", "mul_"})
+# 0 * -inf and -inf - -inf = NaN where no gradient flows, the -inf written on purpose (a
+# masked logit's log-probability times its probability 0: the entropy of typical
+# sampling, then `nansum`; `torch.where(p > 0, p * logp, 0)`; the difference of two
+# masked log-probabilities in torch.distributions' KL of two Categoricals, then
+# overwritten): a value made on purpose as well. Where a gradient flows its derivative
+# is NaN: a stop where it is made.
+NAN_FROM_INFS = frozenset({"mul", "mul_", "sub", "sub_"})
 # Dtype conversions that cannot overflow: (source, destination) with destination
 # floating. Same dtype is always safe; float16/bfloat16/float8 DOWNcasts are not.
 _F8 = tuple(d for d in (getattr(torch, n, None) for n in (

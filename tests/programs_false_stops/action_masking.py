@@ -1,10 +1,12 @@
 """A policy over actions, the illegal ones masked with -inf logits: sampled from a
-Categorical, trained with REINFORCE and an entropy bonus."""
+Categorical, trained with REINFORCE and an entropy bonus; the KL between the policy
+before and after each update is logged under no_grad (torch.distributions subtracts the
+masked -inf log-probabilities, a NaN it overwrites itself)."""
 import hashlib
 
 import torch
 from torch import nn
-from torch.distributions import Categorical
+from torch.distributions import Categorical, kl_divergence
 
 torch.manual_seed(0)
 policy = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 5))
@@ -21,6 +23,9 @@ for episode in range(8):
     opt.zero_grad()
     loss.backward()
     opt.step()
-    print("reward", round(reward.mean().item(), 4))
+    with torch.no_grad():
+        after = Categorical(logits=policy(state).masked_fill(~legal, float("-inf")))
+        kl = kl_divergence(Categorical(logits=logits.detach()), after).mean()
+    print("reward", round(reward.mean().item(), 4), "kl", round(kl.item(), 6))
 data = b"".join(p.detach().numpy().tobytes() for p in policy.parameters())
 print("weights", hashlib.sha256(data).hexdigest())
