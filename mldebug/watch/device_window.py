@@ -275,6 +275,8 @@ class DeviceWindow:
             # as it was). One the op wrote itself moved on by the op: the verdict judges
             # it by what was judged of it before, as on the host
             own = _written_by(info, args, kwargs) if info.mutated else ()
+            if own and made:
+                self._as_read_then(memory, own, made)
             since = {id(t) for ref, address, storage_ref, version in memory
                      if (t := ref()) is not None and t._version != version
                      and id(t) not in own and (
@@ -310,6 +312,22 @@ class DeviceWindow:
             for address, _, _, _ in written:
                 made[address] = (value, len(self.violations) > n0,
                                  mark or self._mark_at(address))
+
+    def _as_read_then(self, memory, own, made):
+        """An op wrote arguments OWN (ids) in place, memory that an earlier op of the
+        window wrote last (MADE): what was judged of that is what the op read, though
+        later writes moved the tensor's version on (`p.sub_(m).exp_()`: sub_ read the
+        -inf that masked_fill_ wrote). The record is dated now, for the verdict."""
+        for ref, address, storage_ref, _ in memory:
+            t = ref()
+            if t is None or id(t) not in own or address not in made:
+                continue
+            rec = self._taint_at(address, storage_ref())
+            if rec is not None:
+                self._taint[address] = (rec[0], t._version, *rec[2:])
+                mark = self._marks.get(address) if self._marks else None
+                if mark is not None:
+                    self._marks[address] = (mark[0], t._version, mark[2])
 
     def _judged_memory(self, norm, written):
         """The taint (and mark) just judged of NORM, the stand-in of an op's output that

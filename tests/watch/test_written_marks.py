@@ -46,6 +46,20 @@ def train(x, steps=3):
     return model
 
 
+def test_a_mask_written_in_place_and_its_softmax_in_place_are_no_stop(device, exact):
+    # (on a device each op is judged at the read, when later in-place ops have written
+    # the memory it read: sub_ read the -inf that masked_fill_ wrote, not a finite value)
+    def program():
+        p = torch.randn(2, 4, 4, device=device)
+        p.masked_fill_(torch.ones(4, 4, dtype=torch.bool, device=device).triu(1),
+                       float("-inf"))
+        p.sub_(p.amax(-1, keepdim=True)).exp_()
+        p.div_(p.sum(-1, keepdim=True))
+        return p
+
+    assert stops(program, exact) == []
+
+
 def test_missing_values_marked_with_nan_and_cleaned_are_no_stop(device, exact):
     def program():
         torch.manual_seed(0)
