@@ -116,18 +116,15 @@ class Verdict:
         0 is `(grad / norm).masked_fill_(norm == 0, 0)`, F.normalize's of an all-zero
         row; logcumsumexp's, xlogy's and cumprod's discard theirs with `where`), so it is
         a stop only if it is still there, and in what the formula returns, when it has
-        returned:
-        judged at the next op of another node (the per-op check), or when backward ends.
-        A formula the program wrote (an autograd.Function) is judged at once, paused in
-        its code."""
+        returned: judged at the next op of another node (the per-op check), or when
+        backward ends. A formula the program wrote (an autograd.Function) is judged at
+        once, paused in its code."""
         if not self._in_formula:
             _queue_callback(self._judge_formulas)
         if all(n is not node for n, _, _ in self._in_formula):
             returned = self._formula_returned
 
-            def formula_returned(grad_inputs, _grad_outputs):
-                # (what the formula returns: finite when it discarded the value itself,
-                # `where(grad > 0, log(|grad|), min)` in logcumsumexp's)
+            def formula_returned(grad_inputs, _grad_outputs):   # (what it returns)
                 handle.remove()
                 with self._own_ops():
                     returned[id(node)] = not any(
@@ -248,8 +245,7 @@ class Verdict:
         lineage = any(r[5] for r in nonfinite)   # descends from a reported stop
         culprit = ""
         culprit_value = None       # the input it came in through, when not made here
-        made = ""                  # what made it here on purpose (marks.py), judged as a
-                                   # constant written
+        made = ""                  # what made it here on purpose (marks.py)
         text = ""
         stop = False
         if out_nan:
