@@ -320,8 +320,8 @@ class DeviceWindow:
         -inf that masked_fill_ wrote). The record is dated now, for the verdict."""
         for ref, address, storage_ref, _ in memory:
             t = ref()
-            if t is None or id(t) not in own or address not in made:
-                continue
+            if t is None or id(t) not in own or made.get(address, (None,))[0] is None:
+                continue                      # (the last write there was finite)
             rec = self._taint_at(address, storage_ref())
             if rec is not None:
                 self._taint[address] = (rec[0], t._version, *rec[2:])
