@@ -52,6 +52,7 @@ _log = logging.getLogger(__name__)
 _current_node = torch._C._current_autograd_node
 _grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
+_DisableTorchDispatch = torch._C._DisableTorchDispatch
 _UNREADABLE: list = []     # the first tensor the ledger could not read (said once)
 # what the watch says, once, when it first steps aside for a CUDA graph capture
 CAPTURE_NOTE = ("the watch does not check inside it (its kernels have no values until a "
@@ -223,6 +224,10 @@ class StepLedger:
         grad = _grad_enabled()
         if grad:
             _set_grad_enabled(False)  # our own reduction: no autograd node
+        # ... nor through the watch's own mode, on the stack when a hook holds (a root's
+        # outputs past the bound): its window would wait on this ledger's lock
+        unwatched = _DisableTorchDispatch()
+        unwatched.__enter__()
         try:
             for xs, slots in groups.values():    # (one fused launch each on a GPU)
                 try:
@@ -232,6 +237,7 @@ class StepLedger:
                 self._norms.extend(norms)
                 self._slots.extend(slots)
         finally:
+            unwatched.__exit__(None, None, None)
             if grad:
                 _set_grad_enabled(True)
 

@@ -187,6 +187,34 @@ def test_log_of_zero_inside_a_model_stops_where_the_model_returns_it(
     assert "clamp the input by an eps" in stop["hint"], stop
 
 
+MANY_OUTPUTS = """
+    import torch
+
+    class Many(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return [y * i for i in range(70)]   # more than the ledger holds at a time
+
+    torch.manual_seed(0)
+    model = Many()
+    for call in range(3):      # the first learns the root; the next are checked at it
+        outs = model(torch.randn(2, 4))
+    print("done", len(outs))
+"""
+
+
+def test_a_root_returning_more_than_the_ledger_holds_runs_through_on_the_device_path(
+        write_program, tmp_path):
+    # (the ledger reduced them under the watch's own mode, whose window waited on the
+    # ledger's lock: the program hung)
+    result, report = _batch_run(write_program(MANY_OUTPUTS), tmp_path, "device")
+    assert (result.returncode, result.stdout) == (0, "done 70\n"), result.stderr
+
+
 ENTROPY = """
     import copy
     import torch
