@@ -231,8 +231,7 @@ class DeviceWindow:
         def returned(grad_inputs, _grad_outputs):
             handle.remove()
             held = [g for g in grad_inputs if isinstance(g, Tensor) and g.is_floating_point()]
-            with self._own_ops():      # (a hook: the mode may be on; a reduction is ours)
-                slots = self._ledger.hold(held)
+            slots = self._ledger.hold(held)    # (its reduction passes no mode)
             self._win_returned.append((start, len(self._win), slots))
         handle = node.register_hook(returned)
 
