@@ -40,6 +40,7 @@ import ast
 import dis
 import linecache
 import os
+import torch
 from torch import Tensor
 
 from ..core import frames as _frames
@@ -48,7 +49,7 @@ from ..core.structs import tensors_in
 from . import checks as _checks
 from .checks import _caller, _checkable, _counts, _isfinite, _summary, gradient_flows
 from .native_check import nonfinite as _native_nonfinite
-from .ops import LOG_AT_ZERO, NAN_FROM_INFS
+from .ops import LOG_AT_ZERO, MASKS_SUMMED, NAN_FROM_INFS
 from .roots import call_kwargs, in_a_root
 
 # names whose attribute `nan`/`inf` is a constant in a literal (`math.inf`, `np.nan`)
@@ -174,12 +175,18 @@ class WrittenMarks:
     # -- a value an op makes on purpose ------------------------------------------------
     def _inf_made_on_purpose(self, info, args, kwargs, out, posinf, stage, record, running):
         """What made OUT's Inf from finite inputs on purpose (a Mark's `made_by`), or "":
-        log(0) = -inf inside a model where no gradient flows (ops.LOG_AT_ZERO); the
+        two masks at the dtype's lowest value summed (ops.MASKS_SUMMED); log(0) = -inf
+        inside a model where no gradient flows (ops.LOG_AT_ZERO); the
         optimizer's own arithmetic on a temporary (RAdam divides by a rectification term
         of 0 and takes the reciprocal), judged by what it leaves in the parameters and the
         state. RUNNING: the op runs now (not judged later from a device window)."""
         if stage == "optimizer":
             return "" if self._holds_state(out) else f"{info.torch_op} in the optimizer's step"
+        if not posinf and info.short in MASKS_SUMMED and stage == "forward":
+            with self._own_ops():
+                summed = _masks_summed(args, kwargs, out)
+            return f"{info.torch_op} of two masks at the dtype's lowest value" if summed \
+                else ""
         if posinf or info.short not in LOG_AT_ZERO or stage != "forward" or record is None \
                 or gradient_flows(out, args, kwargs, running):
             return ""
@@ -224,11 +231,14 @@ class WrittenMarks:
     def _check_output_marks(self, module, output) -> None:
         """An outermost module call returned (under the full watch: learning the roots,
         `exact`, a re-run): the -Inf a log(0) made inside it where no gradient flowed
-        (ops.LOG_AT_ZERO) is a value while it stays inside, a stop once it is returned."""
+        (ops.LOG_AT_ZERO) is a value while it stays inside, a stop once it is returned.
+        The -Inf of two masks summed (ops.MASKS_SUMMED) is returned as masked logits are,
+        a mask like one written: a stop where it reaches the loss."""
         site = _frames.user_location(_caller(2))
         what = f"the output of the model call {type(module).__name__} at {_short(site)}"
         made = [t for t in tensors_in(output) if t.is_floating_point()
-                and (m := self._mark_get(t)) is not None and m.origin.made_by]
+                and (m := self._mark_get(t)) is not None and m.origin.made_by
+                and not m.origin.op[0].startswith("aten.add")]
         self._marks_reach(made, what, False, None)
 
     def _check_loss_marks(self, roots, site, backwards=None) -> None:
@@ -302,7 +312,11 @@ class WrittenMarks:
                  f"fix at {where}: leave the masked entries out (torch.where(mask, 0, "
                  "logp), torch.special.xlogy), or mask the NaN out (torch.nan_to_num, "
                  "torch.nansum) before it goes on")
-                if mark.origin.op[0].startswith(("aten.mul", "aten.sub")) else "")
+                if mark.origin.op[0].startswith(("aten.mul", "aten.sub")) else
+                (f"two masks at the dtype's lowest value summed are -Inf; fix at {where}: "
+                 "combine the masks with torch.minimum (or as booleans) before adding "
+                 "them, and keep a fully masked row out of softmax")
+                if mark.origin.op[0].startswith("aten.add") else "")
         return Violation(
             kind=kind, op=op, torch_op=torch_op, module=module, module_type=module_type,
             stage=stage, frame=frame, file=mark.file, line=mark.line,
@@ -315,6 +329,27 @@ class WrittenMarks:
                   f"the program wrote) reaches {what}; a constant written as a marker or "
                   "a mask must be cleaned (torch.nan_to_num, torch.where) or masked out "
                   "before it reaches a model call, the loss, a gradient or a parameter"))
+
+
+def _masks_summed(args, kwargs, out) -> bool:
+    """Whether every -Inf in OUT, the sum of ARGS, is where both operands are below half
+    the lowest value of OUT's dtype (two finfo.min masks summed: ops.MASKS_SUMMED). An
+    operand that is gone (judged later, on a device) tells nothing: False."""
+    if len(args) < 2 or (kwargs and kwargs.get("alpha", 1) != 1) \
+            or not out.is_floating_point():
+        return False
+    a, b = args[0], args[1]
+    if not isinstance(a, Tensor) or not isinstance(b, (Tensor, float, int)):
+        return False
+    try:
+        larger = torch.maximum(a, torch.as_tensor(b, dtype=a.dtype, device=a.device)
+                               if not isinstance(b, Tensor) else b)
+        if larger.shape != out.shape:
+            return False
+        return not bool((torch.isneginf(out) & (larger > torch.finfo(out.dtype).min / 2))
+                        .any())
+    except (RuntimeError, TypeError):
+        return False
 
 
 def _short(site) -> str:

@@ -105,6 +105,14 @@ LOG_AT_ZERO = frozenset({"log", "log_", "log2", "log2_", "log10", "log10_", "log
 # overwritten): a value made on purpose as well. Where a gradient flows its derivative
 # is NaN: a stop where it is made.
 NAN_FROM_INFS = frozenset({"mul", "mul_", "sub", "sub_"})
+# Two additive masks summed, each at the dtype's lowest value (finfo.min, as transformers
+# writes them: a causal mask plus a padding mask, GPT-Neo's `where(causal, w, min)` plus
+# the attention mask): their sum overflows to -inf, the same masked entry as either. A
+# value made on purpose wherever a gradient flows (the derivative of a sum is 1), judged
+# as a constant written (marks.py) when every -inf it makes is where both operands are
+# below half the dtype's lowest value: a softmax of a fully masked row then makes a NaN,
+# a stop there.
+MASKS_SUMMED = frozenset({"add", "add_"})
 # Dtype conversions that cannot overflow: (source, destination) with destination
 # floating. Same dtype is always safe; float16/bfloat16/float8 DOWNcasts are not.
 _F8 = tuple(d for d in (getattr(torch, n, None) for n in (

@@ -48,6 +48,8 @@ CASES = [
     ("generate_banned_words.py", ()),  # generate with bad_words_ids, a -inf sequence_bias
     ("backward_formulas.py", ()),    # logcumsumexp's, xlogy's and cumprod's backward make
                                      # an Inf/NaN they discard themselves
+    ("summed_masks.py", ()),         # two finfo.min masks summed to -inf: GPT-Neo's
+                                     # attention, a causal plus a padding mask
 ]
 IDS = [f"{name[:-3]}{'-' + '-'.join(args) if args else ''}" for name, args in CASES]
 RUNS = {"plain": [sys.executable],

@@ -274,6 +274,66 @@ def test_zero_times_a_masked_inf_is_a_value_until_the_model_returns_it(
         assert stop["reached"] == "" and stop["stage"] == "forward", stop
 
 
+SUMMED_MASKS = """
+    import torch
+    from torch import nn
+
+    MIN = torch.finfo(torch.float32).min
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = nn.Linear(4, 4)
+
+        def forward(self, x, causal, padding):
+            scores = self.q(x) @ x.transpose(1, 2) + causal
+            scores = scores + padding          # here
+            return scores.softmax(-1) @ x
+
+    torch.manual_seed(0)
+    model = Attention()
+    x = torch.randn(2, 5, 4)
+    causal = torch.zeros(5, 5).masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), MIN)
+    padding = torch.zeros(2, 1, 5)
+    padding[1, :, 3:] = {pad}
+    if {fully}:                      # every key of the first query masked twice
+        causal[0, 0] = MIN
+        padding[1] = MIN
+    for step in range(2):
+        loss = model(x, causal, padding).pow(2).mean()
+        loss.backward()
+        print("loss", step, round(loss.item(), 6))
+"""
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+@pytest.mark.parametrize("case", ["summed", "an overflow", "a fully masked row"])
+def test_two_masks_at_the_lowest_value_summed_are_a_mask(write_program, tmp_path, path, case):
+    # finfo.min + finfo.min = -inf (GPT-Neo adds its attention mask to a causal mask at
+    # the minimum): a mask as either operand was, gradient flowing, no stop. An operand
+    # that is no mask (-1e38 is not below half the minimum) makes an overflow, a stop at
+    # the add; a row masked everywhere makes the softmax's NaN, a stop there, naming them
+    pad = "-1e38" if case == "an overflow" else "MIN"
+    prog = write_program(SUMMED_MASKS.format(pad=pad, fully=case == "a fully masked row"))
+    result, report = _batch_run(prog, tmp_path, path)
+    if case == "summed":
+        plain = subprocess.run([sys.executable, str(prog)], capture_output=True, text=True,
+                               env=clean_env(), timeout=120)
+        assert (result.returncode, result.stdout) == (0, plain.stdout), result.stderr
+        assert not report.exists() or not read_report(report)
+        return
+    assert result.returncode == 3, result.stderr
+    (stop,) = read_report(report)
+    assert stop["stage"] == "forward" and stop["created"], stop
+    if case == "an overflow":
+        assert (stop["op"], stop["line"]) == ("aten.add.Tensor", marker_line(prog)), stop
+        assert stop["count"] == 7 and "7 -Inf" in stop["message"], stop
+    else:
+        assert stop["op"] == "aten._softmax.default" and stop["count"] == 5, stop
+        assert "made by torch.add of two masks at the dtype's lowest value at " \
+            f"{prog.name}:{marker_line(prog)}" in stop["culprit"], stop
+
+
 CODE_IN_BACKWARD = {
     "tensor hook": """
         import torch
