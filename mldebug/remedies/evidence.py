@@ -300,5 +300,9 @@ def optimizer_evidence(optimizer, v, watch) -> Optional[dict]:
         moment = state.get(key)
         if moment is not None and hasattr(moment, "numel"):
             found["moment"], found["moment_zeros"] = key, int((moment == 0).sum())
+            if found.get("eps") and moment.is_floating_point():
+                # (eps as the step adds it, in the state's dtype: 1e-8 is 0 in float16)
+                found["dtype"] = str(moment.dtype).replace("torch.", "")
+                found["eps_in_dtype"] = float(torch.tensor(found["eps"], dtype=moment.dtype))
             break
     return found

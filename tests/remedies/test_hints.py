@@ -62,6 +62,9 @@ CASES = {
                                "nan", "forward", []),
     "adam_eps_zero": ("optimizer_eps_zero", ["Adam with eps=0", "exp_avg_sq are 0", "1e-8"],
                       "nan", "optimizer", []),
+    "adam_eps_fp16": ("optimizer_eps_underflow", ["eps=1e-08 is 0 in float16",
+                                                  "exp_avg_sq are 0", "torch.autocast"],
+                      "nan", "optimizer", []),
     # (with the default break-on the exploding-gradients assertion stops first, with its
     # own remedy; the NaN stop comes five steps later)
     "lr_too_high": ("diverging_training", ["training diverged", "(lr=0.5)", "clip_grad_norm_"],
@@ -79,10 +82,13 @@ ON_DEVICE = sorted(CASES)
 DEVICE_HINT_DIFFERS = {
     "eigh_repeated": "the eigenvalues' gaps are read from the autograd node while it runs; "
                      "at the read it has run: the cause is named, the pairs not counted",
+    "lr_too_high": "the history records every step only while its own time stays within "
+                   "its budget (record/history.py): which steps the cause names depends on "
+                   "the machine's load, the fix does not",
 }
 # the stop names a line other than the program's `# here` line
 FIX_LINE_MARKER = {"masked_softmax_row": "# the mask"}
-NO_FIX_LINE = {"nan_in_data", "adam_eps_zero", "lr_too_high"}   # the line is elsewhere
+NO_FIX_LINE = {"nan_in_data", "adam_eps_zero", "adam_eps_fp16", "lr_too_high"}   # the line is elsewhere
 
 
 def _run(tmp: Path, name: str, options: list, env: dict) -> tuple:
@@ -156,7 +162,7 @@ def test_on_a_device_the_hint_names_the_same_cause(runs, name):
     assert [stop[k] for k in keys] == [host[0][k] for k in keys], stop["message"]
     assert stop["cause"] == host[0]["cause"] == CASES[name][0]
     if name in DEVICE_HINT_DIFFERS:
-        assert stop["hint"].split("; fix at ")[1] == host[0]["hint"].split("; fix at ")[1]
+        assert stop["hint"].rpartition("; fix")[2] == host[0]["hint"].rpartition("; fix")[2]
     else:
         assert stop["hint"] == host[0]["hint"]
 
