@@ -515,30 +515,22 @@ def _eigen_degenerate(f):
             "defined")
 
 
-@rule("optimizer_eps_zero", reads="stage, optimizer (eps, zeros of its second moment)")
+@rule("optimizer_eps_zero", reads="stage, optimizer (eps, and as the dtype of its state "
+      "holds it; zeros of its second moment)")
 def _optimizer_eps_zero(f):
     o = f.e.get("optimizer")
-    if f.v.stage != "optimizer" or not o or o.get("eps") != 0:
+    if f.v.stage != "optimizer" or not o or 0 not in (o.get("eps"), o.get("eps_in_dtype")):
         return None
     zeros = (f", and {o['moment_zeros']} entries of its {o['moment']} are 0 (gradients "
              "that were 0)") if o.get("moment_zeros") else ""
+    if o["eps"]:       # (not 0 as written: 0 in the state's dtype, 1e-8 in float16)
+        return (f"{o['type']}'s eps={_num(o['eps'])} is 0 in {o['dtype']}, the dtype of "
+                f"its parameters and state: it divides by the root of its second moment"
+                f"{zeros}", "keep the parameters in float32 and train in half precision "
+                "under torch.autocast (with torch.amp.GradScaler), or give "
+                f"{o['type']} an eps that {o['dtype']} holds (1e-4) where it is made", "")
     return (f"{o['type']} with eps=0 divides by the root of its second moment{zeros}",
             f"give {o['type']} eps > 0 (the default 1e-8) where it is made", "")
-
-
-@rule("optimizer_eps_underflow", reads="stage, optimizer (eps, its value in the state's "
-      "dtype, zeros of its second moment)")
-def _optimizer_eps_underflow(f):
-    o = f.e.get("optimizer")
-    if f.v.stage != "optimizer" or not o or not o.get("eps") or o.get("eps_in_dtype") != 0:
-        return None
-    zeros = (f", and {o['moment_zeros']} entries of its {o['moment']} are 0 (gradients "
-             "that were 0)") if o.get("moment_zeros") else ""
-    return (f"{o['type']}'s eps={_num(o['eps'])} is 0 in {o['dtype']}, the dtype of its "
-            f"parameters and state: it divides by the root of its second moment{zeros}",
-            "keep the parameters in float32 and train in half precision under "
-            "torch.autocast (with torch.amp.GradScaler), or give "
-            f"{o['type']} an eps that {o['dtype']} holds (1e-4) where it is made", "")
 
 
 @rule("diverging_training", reads="history (norm growth over the recorded steps), optimizer lr")
