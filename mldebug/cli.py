@@ -244,11 +244,27 @@ def _exit_status(exc: SystemExit) -> int:
 
 
 def _strip_own_frames(tb):
-    """Drop mldebug's own frames from the top of a traceback before printing it."""
-    while tb is not None and not _frames.is_user_file(tb.tb_frame.f_code.co_filename) \
-            and tb.tb_frame.f_code.co_filename.startswith(_frames._MLDEBUG_DIR):
+    """The traceback to print: without mldebug's own frames that only passed the call on
+    (the runner on top, the wrappers around `backward()` and `optimizer.step()`), and
+    without the innermost ones when the error is the op's own (the watch's dispatch,
+    marked `__tracebackhide__`, as IPython and pytest read it). An error in mldebug's own
+    code keeps its frames below the last of the program's."""
+    entries = []
+    while tb is not None:
+        entries.append(tb)
         tb = tb.tb_next
-    return tb
+    own = [not _frames.is_user_file(t.tb_frame.f_code.co_filename)
+           and t.tb_frame.f_code.co_filename.startswith(_frames._MLDEBUG_DIR)
+           for t in entries]
+    last_other = max((i for i, o in enumerate(own) if not o), default=-1)
+    hidden = bool(entries) and own[-1] \
+        and "__tracebackhide__" in entries[-1].tb_frame.f_locals
+    keep = [t for i, t in enumerate(entries)
+            if not own[i] or (i > last_other and not hidden)]
+    rebuilt = None
+    for t in reversed(keep):
+        rebuilt = types.TracebackType(rebuilt, t.tb_frame, t.tb_lasti, t.tb_lineno)
+    return rebuilt
 
 
 def _start_watch(session: _session.Session, args):

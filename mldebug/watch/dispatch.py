@@ -82,6 +82,7 @@ class _Mode(TorchDispatchMode):
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        __tracebackhide__ = True   # (an op's own error: its traceback ends at the caller)
         info = self.infos.get(id(func))   # OpOverload.__hash__ is Python: key by id
         if info is None:
             info = self.w._info(func)

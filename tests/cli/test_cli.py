@@ -119,6 +119,34 @@ def test_uncaught_exception_opens_post_mortem_at_the_user_frame_and_exits_1(writ
     assert "mldebug/cli.py" not in result.stderr  # our own frames are not the user's business
 
 
+@pytest.mark.parametrize("where", ["an op", "a hook in backward"])
+def test_an_uncaught_exception_prints_the_traceback_plain_python_prints(write_program, where):
+    # the watch's dispatch (the op's own error) and the wrappers around backward() are
+    # mldebug's: the frames printed are those of the program and the libraries it called
+    prog = write_program(f"""
+        import torch
+        net = torch.nn.Linear(4, 3)
+        if {where == "a hook in backward"}:
+            net.weight.register_hook(lambda g: g.view(-1, 5))
+            net(torch.ones(2, 4)).sum().backward()
+        net(torch.ones(2, 5))
+    """)
+    plain = subprocess.run([sys.executable, str(prog)], capture_output=True, text=True,
+                           env=clean_env(), timeout=120)
+    result = run_cli(["--batch", str(prog)])
+    assert result.returncode == plain.returncode == 1, result.stderr
+
+    def frames(text):
+        return [line.strip() for line in text.splitlines() if line.strip().startswith("File ")]
+    # (nn.Module's call takes its slower path under the watch's global module hooks:
+    # other lines of torch's module.py, and one more frame of it, `inner`)
+    shown, expected = frames(result.stderr), frames(plain.stderr)
+    assert [f for f in shown if "nn/modules/module.py" not in f] == [
+        f for f in expected if "nn/modules/module.py" not in f], result.stderr
+    assert not [f for f in shown if "/mldebug/" in f], result.stderr
+    assert plain.stderr.strip().splitlines()[-1] in result.stderr
+
+
 def test_dash_c_runs_commands_at_the_first_prompt(write_program):
     prog = write_program("""
         secret = 1234
