@@ -176,7 +176,7 @@ class Rerun:
         previous = self._rerun
         self._rerun = (started, call.site, self._micro_of(call.micro))
         try:
-            with self._full_watch(outer), _state_kept(_modules_of(info), info.written), \
+            with self._full_watch(outer), _state_kept(info.modules, info.written), \
                     _as_the_call_started(call) as (args, kwargs):
                 out = module(*args, **kwargs)
                 self._top = outer
@@ -244,19 +244,6 @@ class Rerun:
                     if sum(c):
                         self._taint_add(out, c[0] > 0, c[1] + c[2] > 0, lineage,
                                         mark=None if mark is None else mark.flowing())
-
-
-def _modules_of(info) -> list:
-    """The modules a root's call runs: its own, and the layers it uses but does not own
-    (those whose buffers it records)."""
-    root = info.module
-    modules = list(root.modules()) if root is not None else []
-    seen = {id(m) for m in modules}
-    for m, _ in info.buffers:
-        if id(m) not in seen:
-            seen.add(id(m))
-            modules.append(m)
-    return modules
 
 
 def _identity(t):

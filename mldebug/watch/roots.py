@@ -44,8 +44,8 @@ class RootInfo:
     are learned): what its calls' checks read and what a re-run of one restores. Kept
     for the watch's life (the module weakly)."""
 
-    __slots__ = ("ref", "wrapper", "used", "start", "calls", "params", "buffers", "copied",
-                 "written", "copies_args", "collective", "compiled", "__weakref__")
+    __slots__ = ("ref", "wrapper", "used", "start", "calls", "modules", "params", "buffers",
+                 "copied", "written", "copies_args", "collective", "compiled", "__weakref__")
 
     def __init__(self, module, wrapper=None):
         self.ref = weakref.ref(module)
@@ -54,6 +54,8 @@ class RootInfo:
         self.start: dict = {}        # its first call: (id(module), name) -> (buffer,
                                      # version) as first seen; "args" -> their versions
         self.calls = 0               # calls seen while learning
+        self.modules: list = []      # the modules its call runs: its own, and the layers
+                                     # it calls but does not own
         self.params: list = []       # every parameter it may use (its own, and those of
                                      # the layers it calls but does not own)
         self.buffers: list = []      # (module, name) of the buffers of those modules
@@ -112,7 +114,7 @@ class RootInfo:
                         self.copied.append(len(self.buffers))
                     self.buffers.append((m, name))
             self.collective = self.collective or _collective(m)
-        self.params = params
+        self.modules, self.params = modules, params
         self.copies_args = _versions(args, kwargs) != self.start.get("args")
         self.used, self.start = {}, {}
 

@@ -2,7 +2,6 @@
 status checked, as a user would see them."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
