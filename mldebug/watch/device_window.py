@@ -22,7 +22,7 @@ from ..core.structs import tensors_in
 from .checks import (_F32, METADATA_KEY, _counts, _floating, _getframe, _grad_enabled,
                      _isfinite, any_requires_grad, torch_formula, user_code_in_backward)
 from .context import module_record
-from .ops import LOG_AT_ZERO
+from .ops import LOG_AT_ZERO, WORKSPACE_OUTPUTS
 from .step_ledger import cuda_graph_aside, first_bad
 
 _current_node = torch._C._current_autograd_node
@@ -61,6 +61,8 @@ class DeviceWindow:
             return None                      # (checked at its return: compiled.py)
         if flat is None:
             flat = outs
+        if info.short in WORKSPACE_OUTPUTS:
+            flat = flat[:1]     # (the rest is uninitialized memory kept for its backward)
         if self._read_now or self.exact or self._learning_root is not None \
                 or self._recomputing:
             # a re-run or the loss region's dry run is there to pin the op, `exact` and a
