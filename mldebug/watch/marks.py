@@ -49,7 +49,7 @@ from ..core.structs import tensors_in
 from . import checks as _checks
 from .checks import _caller, _checkable, _counts, _isfinite, _summary, gradient_flows
 from .native_check import nonfinite as _native_nonfinite
-from .ops import LOG_AT_ZERO, MASKS_SUMMED, NAN_FROM_INFS
+from .ops import LOG_AT_ZERO, MASKS_CAST, MASKS_SUMMED, NAN_FROM_INFS
 from .roots import call_kwargs, in_a_root
 
 # names whose attribute `nan`/`inf` is a constant in a literal (`math.inf`, `np.nan`)
@@ -187,6 +187,10 @@ class WrittenMarks:
                 summed = _masks_summed(args, kwargs, out)
             return f"{info.torch_op} of two masks at the dtype's lowest value" if summed \
                 else ""
+        if not posinf and info.short in MASKS_CAST and stage == "forward":
+            with self._own_ops():
+                cast = _mask_cast(args, out)
+            return f"the cast to {_dtype_name(out)} of a mask it cannot hold" if cast else ""
         if posinf or info.short not in LOG_AT_ZERO or stage != "forward" or record is None \
                 or gradient_flows(out, args, kwargs, running):
             return ""
@@ -232,13 +236,14 @@ class WrittenMarks:
         """An outermost module call returned (under the full watch: learning the roots,
         `exact`, a re-run): the -Inf a log(0) made inside it where no gradient flowed
         (ops.LOG_AT_ZERO) is a value while it stays inside, a stop once it is returned.
-        The -Inf of two masks summed (ops.MASKS_SUMMED) is returned as masked logits are,
+        The -Inf of two masks summed, or of a mask cast (ops.MASKS_SUMMED, MASKS_CAST),
+        is returned as masked logits are,
         a mask like one written: a stop where it reaches the loss."""
         site = _frames.user_location(_caller(2))
         what = f"the output of the model call {type(module).__name__} at {_short(site)}"
         made = [t for t in tensors_in(output) if t.is_floating_point()
                 and (m := self._mark_get(t)) is not None and m.origin.made_by
-                and not m.origin.op[0].startswith("aten.add")]
+                and not m.origin.op[0].startswith(("aten.add", "aten._to_copy"))]
         self._marks_reach(made, what, False, None)
 
     def _check_loss_marks(self, roots, site, backwards=None) -> None:
@@ -316,7 +321,10 @@ class WrittenMarks:
                 (f"two masks at the dtype's lowest value summed are -Inf; fix at {where}: "
                  "combine the masks with torch.minimum (or as booleans) before adding "
                  "them, and keep a fully masked row out of softmax")
-                if mark.origin.op[0].startswith("aten.add") else "")
+                if mark.origin.op[0].startswith("aten.add") else
+                (f"a mask cast to a dtype that cannot hold it is -Inf; fix at {where}: "
+                 "write the mask as torch.finfo(dtype).min of the dtype it is used in")
+                if mark.origin.op[0].startswith("aten._to_copy") else "")
         return Violation(
             kind=kind, op=op, torch_op=torch_op, module=module, module_type=module_type,
             stage=stage, frame=frame, file=mark.file, line=mark.line,
@@ -350,6 +358,23 @@ def _masks_summed(args, kwargs, out) -> bool:
                         .any())
     except (RuntimeError, TypeError):
         return False
+
+
+def _mask_cast(args, out) -> bool:
+    """Whether every -Inf in OUT, ARGS[0] cast to a narrower dtype, comes from a value
+    below twice the lowest that dtype holds (a mask: ops.MASKS_CAST). An input that is
+    gone (judged later, on a device) tells nothing: False."""
+    src = args[0] if args else None
+    if not isinstance(src, Tensor) or not src.is_floating_point() \
+            or not out.is_floating_point() or src.shape != out.shape \
+            or torch.finfo(src.dtype).max <= torch.finfo(out.dtype).max:
+        return False
+    made = torch.isneginf(out)
+    return not bool((made & (src.double() > -2 * torch.finfo(out.dtype).max)).any())
+
+
+def _dtype_name(t) -> str:
+    return str(t.dtype).replace("torch.", "")
 
 
 def _short(site) -> str:

@@ -113,6 +113,12 @@ NAN_FROM_INFS = frozenset({"mul", "mul_", "sub", "sub_"})
 # below half the dtype's lowest value: a softmax of a fully masked row then makes a NaN,
 # a stop there.
 MASKS_SUMMED = frozenset({"add", "add_"})
+# A mask far below what a narrower dtype holds, cast to it (-1e6 or -1e10 written in
+# float32, cast to float16 for a softmax: Funnel's `softmax(..., dtype=float16)`,
+# LongT5's `.type(scores.dtype)`): -inf, the same masked entry. Judged as a constant
+# written when every -inf the cast makes comes from a value below twice the lowest the
+# narrower dtype holds (an activation that overflows by rounding near it stays a stop).
+MASKS_CAST = frozenset({"_to_copy"})
 # Dtype conversions that cannot overflow: (source, destination) with destination
 # floating. Same dtype is always safe; float16/bfloat16/float8 DOWNcasts are not.
 _F8 = tuple(d for d in (getattr(torch, n, None) for n in (

@@ -50,6 +50,8 @@ CASES = [
                                      # an Inf/NaN they discard themselves
     ("ctc_speech.py", ()),           # Wav2Vec2-Conformer with CTC: _ctc_loss's
                                      # workspace (log_alpha) is no value, on a device too
+    ("half_precision_masks.py", ()),  # Funnel's and LongT5's float32 masks below what
+                                      # float16 holds, cast to it: -inf
     ("summed_masks.py", ()),         # two finfo.min masks summed to -inf: GPT-Neo's
                                      # attention, a causal plus a padding mask
 ]

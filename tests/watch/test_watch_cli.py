@@ -334,6 +334,61 @@ def test_two_masks_at_the_lowest_value_summed_are_a_mask(write_program, tmp_path
             f"{prog.name}:{marker_line(prog)}" in stop["culprit"], stop
 
 
+MASK_CAST = """
+    import torch
+    from torch import nn
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = nn.Linear(4, 4)
+
+        def forward(self, x, keep):
+            scores = self.q(x) @ x.transpose(1, 2) - {big} * (1.0 - keep[:, None, :])
+            return scores.softmax(-1, dtype=torch.float16).float() @ x     # here
+
+    torch.manual_seed(0)
+    model = Attention()
+    x = torch.randn(2, 5, 4)
+    keep = torch.ones(2, 5)
+    keep[1, 3:] = 0
+    if {fully}:
+        keep[1] = 0
+    for step in range(2):
+        loss = model(x, keep).pow(2).mean()
+        loss.backward()
+        print("loss", step, round(loss.item(), 4))
+"""
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+@pytest.mark.parametrize("case", ["cast", "an overflow", "a fully masked row"])
+def test_a_mask_cast_to_a_dtype_that_cannot_hold_it_is_a_mask(write_program, tmp_path, path,
+                                                                case):
+    # Funnel writes -1e6 at padding in float32 and takes the softmax in float16: the cast
+    # makes -inf, a mask as before, no stop. A value just past float16's range (-7e4) is
+    # an overflow, a stop at the cast; a row masked everywhere stops at the softmax
+    big = "7e4" if case == "an overflow" else "1e6"
+    prog = write_program(MASK_CAST.format(big=big, fully=case == "a fully masked row"))
+    result, report = _batch_run(prog, tmp_path, path)
+    if case == "cast":
+        plain = subprocess.run([sys.executable, str(prog)], capture_output=True, text=True,
+                               env=clean_env(), timeout=120)
+        assert (result.returncode, result.stdout) == (0, plain.stdout), result.stderr
+        assert not report.exists() or not read_report(report)
+        return
+    assert result.returncode == 3, result.stderr
+    (stop,) = read_report(report)
+    assert stop["stage"] == "forward" and stop["created"], stop
+    assert stop["line"] == marker_line(prog), stop
+    if case == "an overflow":
+        assert stop["op"] == "aten._to_copy.default" and "-Inf" in stop["message"], stop
+    else:
+        assert stop["op"] == "aten._softmax.default" and stop["count"] == 25, stop
+        assert "made by the cast to float16 of a mask it cannot hold at " \
+            f"{prog.name}:{marker_line(prog)}" in stop["culprit"], stop
+
+
 CODE_IN_BACKWARD = {
     "tensor hook": """
         import torch
