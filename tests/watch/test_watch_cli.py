@@ -69,6 +69,14 @@ def _batch_run(prog, tmp_path, path):
     return run_cli(["--batch", "--report", str(report), str(prog)], env=env), report
 
 
+def _ran_as_plain(prog, result, report):
+    """RESULT, PROG under the watch, ran as plain python does: exit 0, its output, no stop."""
+    plain = subprocess.run([sys.executable, str(prog)], capture_output=True, text=True,
+                           env=clean_env(), timeout=120)
+    assert (result.returncode, result.stdout) == (0, plain.stdout), result.stderr
+    assert not report.exists() or not read_report(report)
+
+
 UPDATE_BETWEEN_BACKWARDS = """
     import torch
 
@@ -256,10 +264,7 @@ def test_zero_times_a_masked_inf_is_a_value_until_the_model_returns_it(
     prog = write_program(ENTROPY.format(entropy=entropy, grad=grad, copied=case == "a copy"))
     result, report = _batch_run(prog, tmp_path, path)
     if case == "masked":
-        plain = subprocess.run([sys.executable, str(prog)], capture_output=True, text=True,
-                               env=clean_env(), timeout=120)
-        assert (result.returncode, result.stdout) == (0, plain.stdout), result.stderr
-        assert not report.exists() or not read_report(report)
+        _ran_as_plain(prog, result, report)
         return
     assert result.returncode == 3, result.stderr
     assert "entropy" not in result.stdout
@@ -317,10 +322,7 @@ def test_two_masks_at_the_lowest_value_summed_are_a_mask(write_program, tmp_path
     prog = write_program(SUMMED_MASKS.format(pad=pad, fully=case == "a fully masked row"))
     result, report = _batch_run(prog, tmp_path, path)
     if case == "summed":
-        plain = subprocess.run([sys.executable, str(prog)], capture_output=True, text=True,
-                               env=clean_env(), timeout=120)
-        assert (result.returncode, result.stdout) == (0, plain.stdout), result.stderr
-        assert not report.exists() or not read_report(report)
+        _ran_as_plain(prog, result, report)
         return
     assert result.returncode == 3, result.stderr
     (stop,) = read_report(report)
@@ -372,10 +374,7 @@ def test_a_mask_cast_to_a_dtype_that_cannot_hold_it_is_a_mask(write_program, tmp
     prog = write_program(MASK_CAST.format(big=big, fully=case == "a fully masked row"))
     result, report = _batch_run(prog, tmp_path, path)
     if case == "cast":
-        plain = subprocess.run([sys.executable, str(prog)], capture_output=True, text=True,
-                               env=clean_env(), timeout=120)
-        assert (result.returncode, result.stdout) == (0, plain.stdout), result.stderr
-        assert not report.exists() or not read_report(report)
+        _ran_as_plain(prog, result, report)
         return
     assert result.returncode == 3, result.stderr
     (stop,) = read_report(report)
