@@ -175,8 +175,9 @@ class WrittenMarks:
     # -- a value an op makes on purpose ------------------------------------------------
     def _inf_made_on_purpose(self, info, args, kwargs, out, posinf, stage, record, running):
         """What made OUT's Inf from finite inputs on purpose (a Mark's `made_by`), or "":
-        two masks at the dtype's lowest value summed (ops.MASKS_SUMMED); log(0) = -inf
-        inside a model where no gradient flows (ops.LOG_AT_ZERO); the
+        two masks at the dtype's lowest value summed, or a mask cast to a dtype that
+        cannot hold it (ops.MASKS_SUMMED, MASKS_CAST); log(0) = -inf inside a model where
+        no gradient flows (ops.LOG_AT_ZERO); the
         optimizer's own arithmetic on a temporary (RAdam divides by a rectification term
         of 0 and takes the reciprocal), judged by what it leaves in the parameters and the
         state. RUNNING: the op runs now (not judged later from a device window)."""
@@ -190,7 +191,8 @@ class WrittenMarks:
         if not posinf and info.short in MASKS_CAST and stage == "forward":
             with self._own_ops():
                 cast = _mask_cast(args, out)
-            return f"the cast to {_dtype_name(out)} of a mask it cannot hold" if cast else ""
+            dtype = str(out.dtype).replace("torch.", "")
+            return f"the cast to {dtype} of a mask it cannot hold" if cast else ""
         if posinf or info.short not in LOG_AT_ZERO or stage != "forward" or record is None \
                 or gradient_flows(out, args, kwargs, running):
             return ""
@@ -237,8 +239,8 @@ class WrittenMarks:
         `exact`, a re-run): the -Inf a log(0) made inside it where no gradient flowed
         (ops.LOG_AT_ZERO) is a value while it stays inside, a stop once it is returned.
         The -Inf of two masks summed, or of a mask cast (ops.MASKS_SUMMED, MASKS_CAST),
-        is returned as masked logits are,
-        a mask like one written: a stop where it reaches the loss."""
+        is returned as masked logits are: a mask like one written, a stop where it
+        reaches the loss."""
         site = _frames.user_location(_caller(2))
         what = f"the output of the model call {type(module).__name__} at {_short(site)}"
         made = [t for t in tensors_in(output) if t.is_floating_point()
@@ -371,10 +373,6 @@ def _mask_cast(args, out) -> bool:
         return False
     made = torch.isneginf(out)
     return not bool((made & (src.double() > -2 * torch.finfo(out.dtype).max)).any())
-
-
-def _dtype_name(t) -> str:
-    return str(t.dtype).replace("torch.", "")
 
 
 def _short(site) -> str:
