@@ -53,6 +53,9 @@ class Violation:
     data: Optional[dict] = None
     # judged at a read after the op ran (a device's window: its frame may be gone)
     read_later: bool = False
+    # not counted: its values were gone by the read and could not be computed again; the
+    # counts above then say only NaN or Inf (what a norm tells), and `gone` says why
+    gone: str = ""
     # gradient accumulation: which backward of the step (1, 2, ...) the stop is in
     micro_batch: Optional[int] = None
     # a non-finite constant the program wrote on purpose (file:line is that write) has
@@ -73,7 +76,8 @@ class Violation:
 
     @property
     def count(self) -> int:
-        return self.nan + self.posinf + self.neginf
+        """NaN + Inf values in the bad output; 0 when they were not counted (`gone`)."""
+        return 0 if self.gone else self.nan + self.posinf + self.neginf
 
     def headline(self, hint: bool = True) -> str:
         """One line: what, where, how it came about (and, with HINT, the likely cause in
@@ -91,6 +95,8 @@ class Violation:
             if self.neginf:
                 parts.append(f"{self.neginf} -Inf")
             what = " and ".join(parts) if parts else ("NaN" if self.kind == "nan" else "Inf")
+            if self.gone:       # (a norm: NaN or Inf, not how many, nor the sign)
+                what = "NaN" if self.nan else "Inf"
         where = []
         if self.op:
             op = self.op
@@ -128,6 +134,8 @@ class Violation:
                          f"; written there on purpose, it reaches {self.reached}")
             if self.data:
                 cause += f"; in the data: {data_text(self.data)}"
+        if self.gone:
+            cause += f"; not counted: {self.gone}"
         if self.then:
             cause += f"; then: {self.then}"
         if self.hint and hint:

@@ -288,16 +288,19 @@ class DeviceWindow:
             outs = _live(wouts)
             note = ""
             live = [t for t, _ in self._flatten_outputs(outs) if t is not None]
-            if not live:
-                # freed before the window was read: judged by its norm instead (counts
-                # are then those of the norm)
-                outs = (_stand_in(value, info, grad),)
-                note = "the output was freed before the window was read: judged by its norm"
-            elif not any(sum(_counts(t)) for t in live if _floating(t)):
-                # written over since (`x.nan_to_num_()`): the same, by its norm
-                outs = (_stand_in(value, info, grad),)
-                note = ("the output was written over before the window was read: judged "
-                        "by its norm")
+            gone = "freed" if not live else "written over" if not any(
+                sum(_counts(t)) for t in live if _floating(t)) else ""
+            if gone:
+                # freed before the read, or written over since (`x.nan_to_num_()`):
+                # computed again from its inputs when they are as the op read them, so
+                # that the stop counts and describes what the host path would; else
+                # judged by its norm, which tells NaN from Inf and nothing more
+                again = _computed_again(func, info, args, kwargs, memory, since, grad)
+                if again is not None:
+                    outs, dtype = again, None
+                else:
+                    outs = (_stand_in(value, info, grad),)
+                    note = f"its output was {gone} before the device read"
             else:
                 dtype = None
             freed = _freed_inputs(made, memory, prior, self._taint_at, self._mark_at, since)
@@ -351,6 +354,35 @@ class DeviceWindow:
                 if rec[2]:
                     self._nan_marks[address] = storage_ref
         return mark[2] if mark is not None else None
+
+
+def _computed_again(func, info, args, kwargs, memory, since, grad):
+    """The outputs of the op run again on ARGS and KWARGS (as a tuple), when that makes
+    what it made: an aten op that writes nothing and draws no random numbers, every
+    tensor it read alive and unwritten since (MEMORY's version counters; SINCE empty);
+    and only when they hold a NaN/Inf again (a nondeterministic kernel may not). Else
+    None. Runs at a stop only, under the watch's own ops."""
+    if info.mutated or since or func.namespace != "aten" \
+            or torch.Tag.nondeterministic_seeded in func.tags:
+        return None           # (another namespace's op may be a collective: not alone)
+    for ref, _, _, version in memory:
+        t = ref()
+        if t is None or t._version != version:
+            return None
+    try:
+        with torch.no_grad():
+            out = func(*args, **kwargs)
+    except Exception:                        # noqa: BLE001 - (an argument it cannot take)
+        return None
+    outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    floating = [t for t in outs if isinstance(t, Tensor) and _floating(t)]
+    if not any(sum(_counts(t)) for t in floating[:1 if info.short in WORKSPACE_OUTPUTS
+                                                 else None]):
+        return None
+    if grad:
+        for t in floating:
+            t.requires_grad_(True)            # (as the op's output did: marks.py reads it)
+    return outs
 
 
 def _stand_in(norm, info, grad) -> Tensor:

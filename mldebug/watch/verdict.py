@@ -59,7 +59,8 @@ class Verdict:
         input is gone, and what it is taken to have held (has NaN, has Inf, descends
         from a stop). `dtype`: that of the output, when it is gone (judged by its sum).
         `formula`: judged later inside one of torch's backward formulas, whether what the
-        formula returned was finite (None: not known).
+        formula returned was finite (None: not known). `note`: OUTS is a stand-in for
+        values gone by a device's read (device_window.py), and why they are gone.
         """
         if self._recomputing and self._stop_step == self._steps:
             # a checkpoint recomputes a forward of this step that made a stop: what it
@@ -95,7 +96,8 @@ class Verdict:
             v = self._judge(info, args, kwargs, t, list_index, counts, stage, node_name,
                             node_prov, record, frame, here, freed, dtype, backwards)
             if v is not None and note:
-                v.text = f"{v.text}; {note}" if v.text else note
+                # judged by a stand-in for values that are gone: what it is, not its counts
+                v.gone, v.output = note, None
             if v is not None and entry is not None:
                 v.read_later = True
             if v is not None and reported is None:

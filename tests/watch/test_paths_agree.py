@@ -271,3 +271,50 @@ def test_a_lightning_fit_ends_with_the_nan_before_its_exception(write_program, d
     assert "StopError" in run.stderr and "BdbQuit" not in run.stderr
     assert f"from aten.div.Tensor (torch.div) at prog.py:{marker_line(prog)}" in run.stderr
     assert ("then: ValueError: Expected parameter probs" in run.stderr) == (device == "1")
+
+
+# an op's output outside a model gone by the device's read: one temporary among more than
+# the ledger holds (freed), or written over in place before the read
+GONE_BY_THE_READ = """
+    import sys
+    import torch
+    torch.manual_seed(0)
+    h = (torch.randn(16, 8) * 10).half()
+    if sys.argv[1] == "freed":
+        z = (h * -7e4).float().nan_to_num(0.0)      # freed
+        for _ in range(100):
+            z = z * 0.5 + 1.0
+    elif sys.argv[1] == "written-over":
+        z = h * -7e4                                 # written-over
+        z.nan_to_num_(0.0)
+    else:                     # its input a temporary too: nothing to compute it again from
+        z = ((torch.randn(16, 8) * 10).half() * -7e4).float().nan_to_num(0.0)  # input-freed-too
+        for _ in range(100):
+            z = z * 0.5 + 1.0
+    print(float(z.float().sum()))
+"""
+
+
+@pytest.mark.parametrize("case", ["freed", "written-over", "input-freed-too"])
+def test_an_output_gone_by_the_read_is_counted_again_from_its_inputs_or_said_uncounted(
+        write_program, tmp_path, case):
+    program = write_program(GONE_BY_THE_READ)
+    cpu, _ = _first_stop(program, (case,), "0", tmp_path)
+    device, result = _first_stop(program, (case,), "1", tmp_path)
+    assert result.returncode == 3, result.stderr
+    assert cpu["line"] == device["line"] == marker_line(program, f"# {case}")
+    assert cpu["op"] == device["op"] == "aten.mul.Tensor"
+    assert cpu["count"] > 100 and " +Inf and " in cpu["message"].split(" from ")[0]
+    assert "hint: float16 overflow" in cpu["message"]
+    if case != "input-freed-too":
+        # its input alive and unchanged: the op runs again at the stop, and the device
+        # path says what the CPU path says, counts, output and hint
+        assert device["count"] == cpu["count"] and device["hint"] == cpu["hint"]
+        assert device["output"] == cpu["output"]
+        assert device["message"].startswith(cpu["message"].split("; hint")[0])
+    else:
+        # a norm tells Inf, not how many nor which sign: said so, not "1 +Inf"
+        assert device["count"] == 0 and device["output"] is None
+        assert device["message"].startswith("Inf from aten.mul.Tensor (torch.mul) at ")
+        assert "; not counted: its output was freed before the device read" in \
+            device["message"]
