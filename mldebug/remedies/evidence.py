@@ -64,11 +64,11 @@ EIGEN_NODES = {"LinalgEighBackward0": "_saved_eigenvalues",
 
 def gather(info, args, kwargs, rows, bad, stage, live) -> dict:
     """Evidence for a stop at the op of INFO (an `ops.OpInfo`) whose output BAD went
-    non-finite. ROWS: `verdict._judge`'s rows of its inputs, (label, value, has_nan,
-    has_inf, known, lineage, mark, written). STAGE: 'forward', 'backward', ... LIVE: the
-    op runs now (not judged at a later read): a backward op's autograd node is current."""
+    non-finite. ROWS: `verdict._judge`'s of its inputs (`verdict.Input`: label, value,
+    mark, ...). STAGE: 'forward', 'backward', ... LIVE: the op runs now (not judged at a
+    later read): a backward op's autograd node is current."""
     short, func = info.short, getattr(info, "func", None)
-    inputs = [(r[0], r[1], r[6]) for r in rows]
+    inputs = [(r.label, r.value, r.mark) for r in rows]
     live_node = torch._C._current_autograd_node() if live and stage == "backward" else None
     found: dict = {}
     tensors = [(label, value, mark) for label, value, mark in inputs

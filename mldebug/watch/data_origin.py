@@ -144,6 +144,18 @@ def _walk(data, path: str, depth: int, out: list) -> None:
 
 
 # -- at a stop -------------------------------------------------------------------------
+def name_the_data(v, value) -> None:
+    """Violation V's VALUE came in from outside the watched ops: if it is the data, say
+    which sample, and stop where the batch enters the model."""
+    found = describe(value, v.frame)
+    if found is None:
+        return
+    v.data, entry = found
+    if entry is not None and entry is not v.frame:
+        v.frame = entry
+        v.file, v.line, v.function = _frames.location(entry)
+
+
 def describe(value, frame: Optional[FrameType]):
     """(data, entry frame) for a non-finite input `value` that came in from outside the
     watched ops, or None when it is not data (a parameter, a constant, nothing found).

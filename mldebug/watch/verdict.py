@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -39,6 +40,18 @@ _get_ident = threading.get_ident
 
 
 LIVE_GRAD = object()   # _judge_step: the step's gradient is the parameter's `.grad` now
+
+
+class Input(NamedTuple):
+    """One input of an op, as `_judge` reads it (the defaults: one with no NaN/Inf)."""
+    label: str             # 'input 0 (self)', 'input 1 (other) = -inf'
+    value: object          # the tensor or number (None: freed before a device's read)
+    has_nan: bool = False
+    has_inf: bool = False
+    known: bool = True     # its NaN/Inf was judged already (or it holds none)
+    lineage: bool = False  # ... and descends from a reported stop
+    mark: object = None    # the Mark of a value written on purpose, or flowing from one
+    written: bool = False  # the very constant written (a scalar argument, a literal)
 
 
 class Verdict:
@@ -190,15 +203,12 @@ class Verdict:
         out_nan = nan > 0
         self._judged += 1
         mutated_keys = {key for key, _ in info.mutated}
-        # (label, value, has_nan, has_inf, known, lineage, mark, written): MARK the Mark of
-        # a value written on purpose or flowing from one (marks.py); WRITTEN: the very
-        # constant written (a scalar argument, a literal not read yet)
-        rows = []
+        rows = []              # an Input each
         written = None         # the Mark of this op's non-finite scalar argument
         for label, value, key in self._inputs(info, args, kwargs, list_index):
             if isinstance(value, Tensor):
                 if not value.is_floating_point() or value.is_complex():
-                    rows.append((label, value, False, False, True, False, None, False))
+                    rows.append(Input(label, value))
                     continue
                 if key in mutated_keys:
                     # the op wrote this input (the output itself, or another argument it
@@ -210,7 +220,7 @@ class Verdict:
                     mark = self._mark_get(value) if prior else None
                     if mark is not None and mark.stopped:
                         lineage, mark = True, None     # (a stop was made of it)
-                    rows.append((label, value, has_nan, has_inf, True, lineage, mark, False))
+                    rows.append(Input(label, value, has_nan, has_inf, True, lineage, mark))
                     continue
                 c = _counts(value)
                 has_nan, has_inf = c[0] > 0, c[1] + c[2] > 0
@@ -222,29 +232,30 @@ class Verdict:
                     mark = self._mark_get(value) if known else None
                     if mark is not None and mark.stopped:
                         lineage, mark = True, None     # (a stop was made of it)
-                rows.append((label, value, has_nan, has_inf, known, lineage, mark,
-                             mark is not None and mark.written))
+                rows.append(Input(label, value, has_nan, has_inf, known, lineage, mark,
+                                  mark is not None and mark.written))
             elif isinstance(value, float) and not _isfinite(value) \
                     and info.short not in CONSTANT_WRITERS:
-                rows.append((f"{label} = {value}", value, value != value,
-                             value == value, False, False, None, False))
+                rows.append(Input(f"{label} = {value}", value, value != value,
+                                  value == value, False, False, None, False))
             elif isinstance(value, float) and not _isfinite(value):
                 # a constant the program writes (fill, masked_fill, full): known
                 if written is None:
                     written = Mark(*self._op_location(stage, node_prov, here, frame))
-                rows.append((f"{label} = {value}", value, value != value,
-                             value == value, True, False, written, True))
+                rows.append(Input(f"{label} = {value}", value, value != value,
+                                  value == value, True, False, written, True))
             else:
-                rows.append((label, value, False, False, True, False, None, False))
+                rows.append(Input(label, value))
         if freed is not None:
             stopped = freed[3] is not None and freed[3].stopped
             mark = None if stopped else freed[3]
-            rows.append(("an input freed before the window was read", None, *freed[:2],
-                         True, freed[2] or stopped, mark, mark is not None and mark.written))
+            rows.append(Input("an input freed before the window was read", None, *freed[:2],
+                              True, freed[2] or stopped, mark,
+                              mark is not None and mark.written))
 
-        any_nan = any(r[2] for r in rows)
-        nonfinite = [r for r in rows if r[2] or r[3]]
-        lineage = any(r[5] for r in nonfinite)   # descends from a reported stop
+        any_nan = any(r.has_nan for r in rows)
+        nonfinite = [r for r in rows if r.has_nan or r.has_inf]
+        lineage = any(r.lineage for r in nonfinite)   # descends from a reported stop
         culprit = ""
         culprit_value = None       # the input it came in through, when not made here
         made = ""                  # what made it here on purpose (marks.py)
@@ -259,9 +270,9 @@ class Verdict:
                 created = True
                 stop = "nan" in self.break_on and not lineage
                 if nonfinite:
-                    culprit = nonfinite[0][0]
+                    culprit = nonfinite[0].label
                     text = f"{culprit} holds Inf (e.g. a fully masked row)"
-                    maker = nonfinite[0][6]
+                    maker = nonfinite[0].mark
                     if maker is not None and maker.origin.made_by:
                         # (an Inf an op made, judged a value: ops.LOG_AT_ZERO, an optimizer's
                         # temporary)
@@ -272,11 +283,11 @@ class Verdict:
                         made = self._nan_made_on_purpose(info, args, kwargs, bad, nonfinite,
                                                          stage, record, here is None)
             else:
-                unknown = [r for r in rows if r[2] and not r[4]]
+                unknown = [r for r in rows if r.has_nan and not r.known]
                 created = False
                 if unknown:
                     stop = "nan" in self.break_on
-                    culprit, culprit_value = unknown[0][0], unknown[0][1]
+                    culprit, culprit_value = unknown[0].label, unknown[0].value
         else:
             kind = "inf"
             if not nonfinite:
@@ -294,10 +305,10 @@ class Verdict:
             else:
                 created = False
                 # (with inf-all a constant written is a stop where it is written)
-                unknown = [r for r in nonfinite if not r[4] or r[7]]
+                unknown = [r for r in nonfinite if not r.known or r.written]
                 if unknown and "inf-all" in self.break_on:
                     stop = True
-                    culprit, culprit_value = unknown[0][0], unknown[0][1]
+                    culprit, culprit_value = unknown[0].label, unknown[0].value
         if made:        # made on purpose: judged as a constant written (marks.py)
             stop, created = False, False
             written = Mark(*self._op_location(stage, node_prov, here, frame), made_by=made,
@@ -319,7 +330,7 @@ class Verdict:
         # a value written on purpose flows on: no stop, unless it reaches a gradient, a
         # parameter or the optimizer's state (marks.py)
         mark = written if made else None if created or stop or lineage else next(
-            (r[6] for r in nonfinite if r[6] is not None), written)
+            (r.mark for r in nonfinite if r.mark is not None), written)
         reached = ""
         if mark is not None and not made:
             # (an Inf may flow through backward's own steps, exp(-inf - lse) in logsumexp's:
@@ -339,8 +350,8 @@ class Verdict:
         self._taint_add(bad, out_nan, posinf + neginf > 0, stop or lineage,
                         mark=None if mark is None else mark.flowing())
         for r in nonfinite:
-            if not r[4] and isinstance(r[1], Tensor):
-                self._taint_add(r[1], r[2], r[3], False)
+            if not r.known and isinstance(r.value, Tensor):
+                self._taint_add(r.value, r.has_nan, r.has_inf, False)
         if not stop:
             return None
 
@@ -386,7 +397,7 @@ class Verdict:
         with self._own_ops():       # (read once, at the stop: what the hints need)
             v.evidence = _hints.gather(info, args, kwargs, rows, bad, stage, here is None)
         if stage == "forward" and culprit_value is not None:
-            self._name_the_data(v, culprit_value)
+            _data_origin.name_the_data(v, culprit_value)
         return v
 
     @staticmethod
@@ -410,18 +421,6 @@ class Verdict:
             with self._own_ops():
                 return stays_unscaled(info.func, args, kwargs, scale)
         return unscaled
-
-    @staticmethod
-    def _name_the_data(v, value) -> None:
-        """A value that came in from outside: if it is the data, say which sample, and
-        stop where the batch enters the model (data_origin.py)."""
-        found = _data_origin.describe(value, v.frame)
-        if found is None:
-            return
-        v.data, entry = found
-        if entry is not None and entry is not v.frame:
-            v.frame = entry
-            v.file, v.line, v.function = _frames.location(entry)
 
     # -- the cheap check's verdicts --------------------------------------------------
     def _judge_step(self, optimizer, x, p, what, group, counts, grad=LIVE_GRAD, where=None):
