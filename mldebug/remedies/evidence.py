@@ -306,3 +306,15 @@ def optimizer_evidence(optimizer, v, watch) -> Optional[dict]:
                 found["eps_in_dtype"] = float(torch.tensor(found["eps"], dtype=moment.dtype))
             break
     return found
+
+
+def strict(value):
+    """VALUE with every non-finite float written as a string ('inf', 'nan'): the report
+    is strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(v) for v in value]
+    return value

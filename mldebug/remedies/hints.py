@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..core.records import data_text
-from .evidence import DIVISION_OPS, EIGEN_NODES, SOFTMAX_OPS, STD_OPS, optimizer_evidence
+from .evidence import (DIVISION_OPS, EIGEN_NODES, SOFTMAX_OPS, STD_OPS, optimizer_evidence,
+                       strict)
 from .evidence import gather  # noqa: F401 - verdict._judge calls it through here
 
 # diverged: a parameter's norm and its gradient's both grown GROWTH times over the
@@ -125,7 +126,7 @@ def explain(v, watch=None) -> None:
             found = None
         if found:
             evidence[name] = found
-    v.evidence = _strict(evidence) or None
+    v.evidence = strict(evidence) or None
     facts = Facts(v, evidence)
     for r in RULES:
         try:
@@ -138,18 +139,6 @@ def explain(v, watch=None) -> None:
             v.cause = r.name
             v.hint = f"{cause}; fix{f' at {where}' if where else ''}: {fix}"
             return
-
-
-def _strict(value):
-    """VALUE with every non-finite float written as a string ('inf', 'nan'): the report
-    is strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _strict(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_strict(v) for v in value]
-    return value
 
 
 # -- formatting -------------------------------------------------------------------------
@@ -513,6 +502,15 @@ def _eigen_degenerate(f):
             f"separate the {what} (a tiny jitter: A + 1e-6 * torch.diag(torch.arange(n))), "
             f"or use only the {what} (torch.linalg.eigvalsh / svdvals), whose gradient is "
             "defined")
+
+
+@rule("loss_scaler_overflow_stepped", reads="stage, loss_scaler (the gradients hold the "
+      "overflow GradScaler found)")
+def _loss_scaler_overflow_stepped(f):
+    if f.v.stage != "optimizer" or not f.e.get("loss_scaler"):
+        return None
+    return ("the gradients hold the overflow GradScaler found, which `scaler.step()` skips "
+            "the step for", "step with scaler.step(optimizer), then scaler.update()")
 
 
 @rule("optimizer_eps_zero", reads="stage, optimizer (eps, and as the dtype of its state "

@@ -31,6 +31,10 @@ from ..core.structs import tensors_in
 
 # the scaler's own check and unscale (in place on the gradients): its finding, not a stop
 SCALER_OPS = ("aten._amp_foreach_non_finite_check_and_unscale_", "aten._amp_update_scale_")
+# a stop's evidence when the optimizer stepped on the gradients' overflow that the scaler
+# found (`optimizer.step()` where `scaler.step(optimizer)` skips the step): the
+# catalogue's `loss_scaler_overflow_stepped` (remedies/hints.py)
+STEPPED_ON_OVERFLOW = {"loss_scaler": {"found_inf": True}}
 
 try:
     from torch.amp.grad_scaler import GradScaler as _GradScaler
@@ -71,6 +75,9 @@ class LossScaling:
         self._scaler = None         # weakref to the scaler of that loss
         self.refused = ""           # why the last gradient judged is not excused
         self.overflowed = False     # this backward made an Inf the scaler's overflow excused
+        # the gradients holding the scaler's overflow, and what was made of them since:
+        # address -> weak reference to the storage (dead once `zero_grad()` lets go)
+        self._overflow: dict = {}
 
     def start(self) -> None:
         global _ORIG_SCALE
@@ -90,6 +97,7 @@ class LossScaling:
                 _GradScaler.scale = _ORIG_SCALE
                 _ORIG_SCALE = None
         self._scaled.clear()
+        self._overflow.clear()
 
     def note(self, scaled, scaler=None) -> None:
         items = [scaled] if isinstance(scaled, torch.Tensor) else (
@@ -114,6 +122,28 @@ class LossScaling:
 
     def end(self) -> None:
         self.active, self._scaler = False, None
+
+    def hold_overflow(self, t) -> None:
+        """T holds the scaler's overflow (or what was made of it): the step it is in is
+        skipped by `scaler.step()`, which found it."""
+        try:
+            storage = t.untyped_storage()
+        except Exception:  # noqa: BLE001 - no storage: nothing to know it by
+            return
+        if len(self._overflow) > 256:
+            self._overflow = {k: r for k, r in self._overflow.items() if r() is not None}
+        self._overflow[storage.data_ptr()] = weakref.ref(storage)
+
+    def holds_overflow(self, t) -> bool:
+        """Whether tensor T's memory holds the scaler's overflow (`hold_overflow`)."""
+        if not self._overflow or not isinstance(t, Tensor):
+            return False
+        try:
+            storage = t.untyped_storage()
+        except Exception:  # noqa: BLE001
+            return False
+        ref = self._overflow.get(storage.data_ptr())
+        return ref is not None and ref() is storage
 
     def scale(self):
         """The scale of this backward's loss (a read), or None when it is not known."""

@@ -49,7 +49,7 @@ from ..core.structs import tensors_in
 from . import checks as _checks
 from .checks import _caller, _checkable, _counts, _isfinite, _summary, gradient_flows
 from .native_check import nonfinite as _native_nonfinite
-from .ops import LOG_AT_ZERO, MASKS_CAST, MASKS_SUMMED, NAN_FROM_INFS
+from .ops import LOG_AT_ZERO, MASKS_CAST, MASKS_SUMMED, NAN_FROM_INFS, ZERO_BY_ZERO
 from .roots import call_kwargs, in_a_root
 
 # names whose attribute `nan`/`inf` is a constant in a literal (`math.inf`, `np.nan`)
@@ -203,16 +203,20 @@ class WrittenMarks:
                              running):
         """What made OUT's NaN from the Infs of NONFINITE (the judge's rows of its
         inputs) on purpose, or "": 0 * a -Inf written on purpose, or the difference of two,
-        where no gradient flows (ops.NAN_FROM_INFS), outside modules or inside a call whose output the watch
-        checks as it returns (a module outside the roots returns it unseen: made there
-        is a stop)."""
-        if info.short not in NAN_FROM_INFS or stage != "forward" \
-                or not all(r[6] for r in nonfinite) \
-                or not (record is None or self.exact or in_a_root(self._roots, record)) \
+        where no gradient flows (ops.NAN_FROM_INFS), outside modules or inside a call whose
+        output the watch checks as it returns (a module outside the roots returns it
+        unseen: made there is a stop); with no Inf among them, 0 / 0 where no gradient
+        flows inside such a call (ops.ZERO_BY_ZERO)."""
+        if info.short not in (NAN_FROM_INFS if nonfinite else ZERO_BY_ZERO) \
+                or stage != "forward" or not all(r.mark for r in nonfinite) \
+                or not (nonfinite if record is None else
+                        self.exact or in_a_root(self._roots, record)) \
                 or gradient_flows(out, args, kwargs, running):
             return ""
         self._made_marks = True
-        maker = nonfinite[0][6]
+        if not nonfinite:
+            return f"{info.torch_op} of 0 by 0 where no gradient flows"
+        maker = nonfinite[0].mark
         source = f"of {maker.origin.made_by}" if maker.origin.made_by else "written on purpose"
         what = "0 and the -Inf" if "mul" in info.short else "the -Infs"
         return f"{info.torch_op} of {what} {source} at {maker.where()}"

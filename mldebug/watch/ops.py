@@ -105,6 +105,13 @@ LOG_AT_ZERO = frozenset({"log", "log_", "log2", "log2_", "log10", "log10_", "log
 # overwritten): a value made on purpose as well. Where a gradient flows its derivative
 # is NaN: a stop where it is made.
 NAN_FROM_INFS = frozenset({"mul", "mul_", "sub", "sub_"})
+# 0 / 0 = NaN inside a model where no gradient flows, from finite values: a relative gap
+# `(max - s) / max(|s|, max)` of a row of zeros (PhiMoE's sparsemixer router, on a padding
+# token), only compared with a threshold then (NaN > eps is False: not masked). Judged as
+# a value made on purpose (marks.py): a stop where it is returned from the model, reaches
+# the loss, a gradient or a parameter, naming the division's line. Where a gradient
+# flows, or in the program's own lines, 0/0 is a stop where it is made.
+ZERO_BY_ZERO = frozenset({"div", "div_"})
 # Two additive masks summed, each at the dtype's lowest value (finfo.min, as transformers
 # writes them: a causal mask plus a padding mask, GPT-Neo's `where(causal, w, min)` plus
 # the attention mask): their sum overflows to -inf, the same masked entry as either. A

@@ -139,6 +139,8 @@ class Rerun:
             flowed = None if stopped else self._flowed_mark
             for _, g, c in bad:
                 self._taint_add(g, c[0] > 0, c[1] + c[2] > 0, stopped, mark=flowed)
+                if not stopped and self._amp.overflowed:
+                    self._amp.hold_overflow(g)      # (the scaler's: it skips this step)
         if stopped or self._judged > j0:
             return
         p, _, counts = new[0]

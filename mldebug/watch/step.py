@@ -22,7 +22,7 @@ device its tensors are held by the ledger (step_ledger.py) and read once, at the
 fifth waiting call). What a check finds goes to its judge: a root's bad output or a bad
 parameter gradient re-runs the call (rerun.py); a bad output gradient with an unchecked
 loss region is that region's overflow; a bad parameter or state after the step is the
-step's (verdict.py `_judge_step`).
+step's (update.py `_judge_step`).
 
 What it cannot see: a NaN/Inf made inside a root and absorbed before its output and its
 gradients (an Inf that `tanh` saturates in a forward whose backward stays finite, an

@@ -11,7 +11,7 @@
 A step's closure (LBFGS, Lightning's automatic optimization) runs the forward and the
 backward inside the step: it runs with the step's stage lifted, so its ops are forward
 and backward, and its calls are roots like any other. A non-finite parameter or state
-after the step is judged by verdict.py `_judge_step` (made by the step from finite
+after the step is judged by `_judge_step` (made by the step from finite
 gradients, or carried on from a gradient judged already); one written there on purpose
 is a stop that names the line that wrote it (marks.py).
 """
@@ -26,14 +26,18 @@ from torch import Tensor
 
 from ..core import frames as _frames
 from ..core.native import memory_needed
+from ..core.records import Violation
 from . import checks as _checks
+from .amp import STEPPED_ON_OVERFLOW
 from .data_origin import _is_parameter
-from .checks import _PLAIN, _STRIDED, _caller, _counts, _is_cpu, pop_if_top, push
+from .checks import (_ALLOWED, _PLAIN, _STRIDED, _caller, _counts, _floating, _is_cpu,
+                     _summary, pop_if_top, push)
+from .ops import matches
 from .step_ledger import cuda_graph_aside, fused_key
-from .verdict import LIVE_GRAD
 
 _get_ident = threading.get_ident
 _values = methodcaller("values")
+LIVE_GRAD = object()   # _judge_step: the step's gradient is the parameter's `.grad` now
 
 
 class StepTensors:
@@ -218,7 +222,8 @@ class OptimizerStep:
                         defer=True)
 
     def _judge_step_grads(self, params, grads, bad):
-        """A judge: (counts, judged, from a stop) of each non-finite gradient."""
+        """A judge: (counts, judged, from a stop, Mark or None, holds the loss scaler's
+        overflow) of each non-finite gradient."""
         verdicts = {}
         for i in bad:
             with self._own_ops():
@@ -226,7 +231,8 @@ class OptimizerStep:
             if sum(c):
                 known = self._taint_get(grads[i])
                 verdicts[id(params[i])] = (c, known is not None, bool(known and known[2]),
-                                           self._mark_get(grads[i]) if known else None)
+                                           self._mark_get(grads[i]) if known else None,
+                                           self._amp.holds_overflow(grads[i]))
         self._step_grads = verdicts
 
     def _check_step(self, optimizer):
@@ -323,3 +329,87 @@ class OptimizerStep:
             self._bad_state[(id(p), what)] = (self._steps, reported is not None or from_stop)
         if reported is not None:
             self._report(reported)
+
+    # -- the verdict ------------------------------------------------------------------
+    def _judge_step(self, optimizer, x, p, what, group, counts, grad=LIVE_GRAD, where=None):
+        """The stop rule for a parameter (or its state) that the step left non-finite.
+        GRAD: LIVE_GRAD while the step's gradient is `p.grad`; read later (a device's
+        step read), what the read before the step found of it ((counts, judged, from a
+        stop, Mark or None) or None: finite). WHERE: (file, line, function) of the step
+        when it is not the frame's."""
+        nan, posinf, neginf = counts
+        kind = "nan" if nan else "inf"
+        mark = None
+        if grad is LIVE_GRAD:
+            grad = p.grad
+            grad_counts = _counts(grad) if isinstance(grad, Tensor) and _floating(grad) \
+                else (0, 0, 0)
+            judged = bool(sum(grad_counts)) and self._taint_get(grad) is not None
+            mark = self._mark_get(grad) if judged else None
+            overflow = judged and self._amp.holds_overflow(grad)
+        else:
+            grad_counts, judged = grad[:2] if grad is not None else ((0, 0, 0), False)
+            mark = grad[3] if grad is not None and len(grad) > 3 else None
+            overflow = grad is not None and len(grad) > 4 and grad[4]
+            grad = ("non-finite" if sum(grad_counts) else "finite") + \
+                " when read before the step"
+        created = not sum(grad_counts)
+        unjudged = False
+        if not created:
+            if judged and mark is not None and not mark.stopped \
+                    and self._opt_stop_step != self._steps \
+                    and ("nan" if counts[0] else "inf") in self.break_on:
+                # a gradient written on purpose (`p.grad[m] = nan`): into the parameter
+                name = self._names.param(p, optimizer)
+                self._opt_stop_step = self._steps
+                return self._mark_violation(
+                    mark, f"the parameter {name} in {type(optimizer).__name__}.step", x,
+                    counts, "optimizer", param=name, frame=_frames.user_frame(_caller(3)))
+            if judged and not overflow:
+                return None                 # it flows on from a gradient already judged
+            # a gradient no check judged (written outside the watched backward: by hand,
+            # a hook, a collective after it), or the loss scaler's overflow, stepped on
+            unjudged = True
+            gkind = "nan" if grad_counts[0] else "inf"
+            stop = gkind in self.break_on
+        else:
+            stop = kind in self.break_on
+        if not stop or self._opt_stop_step == self._steps:
+            return None
+        name = self._names.param(p, optimizer)
+        module, module_type = self._names.owner(name)
+        patterns = tuple(_ALLOWED) + self.allow
+        step_name = f"{type(optimizer).__name__}.step"
+        if patterns and (matches(patterns, (step_name,)) or (module and matches(patterns, (module,)))):
+            return None
+        self._opt_stop_step = self._steps
+        hyper = ", ".join(f"{k}={group[k]!r}" for k in ("lr", "momentum", "weight_decay", "eps")
+                          if k in group and not isinstance(group[k], Tensor))
+        whose = "the parameter" if what == "value" else f"its optimizer state {what!r}"
+        if overflow:
+            text = (f"{whose} became non-finite in {step_name}() from its gradient, which "
+                    "holds the overflow GradScaler found: `scaler.step(optimizer)` skips "
+                    "such a step, `optimizer.step()` does not")
+        elif unjudged:
+            text = (f"{whose} became non-finite in {step_name}() ({hyper}) from its "
+                    "gradient, which was already non-finite: made in backward by an "
+                    "overflow in layers whose gradients are checked only where they "
+                    "leave them (`--watch exact` pins the op)")
+        else:
+            text = (f"{whose} became non-finite in {step_name}() ({hyper}); the op inside "
+                    "step() is not pinned (`--watch exact` pins it)")
+        frame = _frames.user_frame(_caller(3))
+        file, line, function = where or _frames.location(frame)
+        with self._own_ops():
+            inputs = [("gradient", _summary(grad) if isinstance(grad, Tensor) else
+                       grad if isinstance(grad, str) else repr(grad))]
+            output = _summary(x)
+        v = Violation(
+            kind=kind, op="", torch_op=step_name, module=module, module_type=module_type,
+            stage="optimizer", frame=frame, file=file, line=line, function=function,
+            nan=nan, posinf=posinf, neginf=neginf, created=created,
+            culprit="" if created else "its gradient", output=output, inputs=inputs,
+            param=name, step=self._steps, text=text)
+        if overflow:
+            v.evidence = dict(STEPPED_ON_OVERFLOW)
+        return v

@@ -2,10 +2,10 @@
 
 Mixed into `Watch` (core.py). `_slow` counts an op's outputs exactly and `_judge`
 applies the rule to one of them (made here or came in; see the package docstring);
-the cheap checks' verdicts: `_judge_step`, for a parameter (or its optimizer state) that
-the unchecked optimizer step left non-finite, and `_report_unpinned`, for a root's output
-or a gradient whose re-run could not pin the op. These three build every `Violation` the
-watch reports; `_report` hands one to the callback (or raises), from the owner thread.
+`_report_unpinned`, for a root's output or a gradient whose re-run could not pin the op.
+With update.py's `_judge_step` (a parameter, or its optimizer state, that the unchecked
+optimizer step left non-finite) these build every `Violation` the watch reports;
+`_report` hands one to the callback (or raises), from the owner thread.
 The taint (taint.py) records which non-finite storages were judged already, so that
 values that merely flow on from them are not new stops. A NaN/Inf made inside one of
 torch's own backward formulas is judged once the formula has returned: some mask their
@@ -26,7 +26,7 @@ from ..core.records import Violation
 from ..core.session import current
 from ..remedies import hints as _hints
 from . import data_origin as _data_origin
-from .amp import SCALER_OPS, stays_unscaled
+from .amp import SCALER_OPS, STEPPED_ON_OVERFLOW, stays_unscaled
 from .checks import (_ALLOWED, METADATA_KEY, _caller, _counts, _floating, _isfinite,
                      _summary, push, torch_formula,
                      user_code_in_backward)
@@ -37,9 +37,6 @@ from .ops import CONSTANT_WRITERS, WORKSPACE_OUTPUTS, argument_name, matches
 _current_node = torch._C._current_autograd_node
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 _get_ident = threading.get_ident
-
-
-LIVE_GRAD = object()   # _judge_step: the step's gradient is the parameter's `.grad` now
 
 
 class Input(NamedTuple):
@@ -279,9 +276,9 @@ class Verdict:
                         culprit = (f"{culprit}, made by {maker.origin.made_by} at "
                                    f"{maker.where()}")
                         text = f"{culprit} (-Inf)"
-                    if stop and "inf-all" not in self.break_on:
-                        made = self._nan_made_on_purpose(info, args, kwargs, bad, nonfinite,
-                                                         stage, record, here is None)
+                if stop and "inf-all" not in self.break_on:
+                    made = self._nan_made_on_purpose(info, args, kwargs, bad, nonfinite,
+                                                     stage, record, here is None)
             else:
                 unknown = [r for r in rows if r.has_nan and not r.known]
                 created = False
@@ -317,6 +314,7 @@ class Verdict:
             stop = False   # one stop per optimizer step: the other parameters follow
         # (a NaN made in backward from Infs not judged a stop: from the overflow that
         # made them, in whatever dtype the op runs: LayerNorm's backward in float32)
+        stepped = False    # the optimizer's step ran on the scaler's overflow
         overflowed = stage == "backward" and bool(nonfinite) and not lineage \
             and self._amp.overflowed
         if stop and (info.name.startswith(SCALER_OPS) or (
@@ -325,6 +323,20 @@ class Verdict:
                     self._unscaled_check(info, args, kwargs, created and not nonfinite)))):
             stop = False   # a loss scaler's overflow: GradScaler skips this step
             self._amp.overflowed = self._amp.overflowed or stage == "backward"
+            self._amp.hold_overflow(bad)
+        elif nonfinite and self._amp.holds_overflow(nonfinite[0].value):
+            # made of the scaler's overflow before its step (`clip_grad_norm_` after
+            # `unscale_`: inf * 0): skipped with it. In an optimizer's step it is a
+            # stop: `scaler.step()` would not have run the step
+            if stage == "optimizer":
+                stepped = stop = kind in self.break_on \
+                    and self._opt_stop_step != self._steps
+                culprit = nonfinite[0].label
+            elif stop and created and stage == "forward" \
+                    and all(self._amp.holds_overflow(r.value) for r in nonfinite):
+                stop = False
+            if not stop:
+                self._amp.hold_overflow(bad)
         if stop and stage == "backward":
             text = self._amp.with_note(text)
         # a value written on purpose flows on: no stop, unless it reaches a gradient, a
@@ -396,6 +408,8 @@ class Verdict:
         )
         with self._own_ops():       # (read once, at the stop: what the hints need)
             v.evidence = _hints.gather(info, args, kwargs, rows, bad, stage, here is None)
+        if stepped:
+            v.evidence = {**(v.evidence or {}), **STEPPED_ON_OVERFLOW}
         if stage == "forward" and culprit_value is not None:
             _data_origin.name_the_data(v, culprit_value)
         return v
@@ -422,81 +436,7 @@ class Verdict:
                 return stays_unscaled(info.func, args, kwargs, scale)
         return unscaled
 
-    # -- the cheap check's verdicts --------------------------------------------------
-    def _judge_step(self, optimizer, x, p, what, group, counts, grad=LIVE_GRAD, where=None):
-        """The stop rule for a parameter (or its state) that the step left non-finite.
-        GRAD: LIVE_GRAD while the step's gradient is `p.grad`; read later (a device's
-        step read), what the read before the step found of it ((counts, judged, from a
-        stop, Mark or None) or None: finite). WHERE: (file, line, function) of the step
-        when it is not the frame's."""
-        nan, posinf, neginf = counts
-        kind = "nan" if nan else "inf"
-        mark = None
-        if grad is LIVE_GRAD:
-            grad = p.grad
-            grad_counts = _counts(grad) if isinstance(grad, Tensor) and _floating(grad) \
-                else (0, 0, 0)
-            judged = bool(sum(grad_counts)) and self._taint_get(grad) is not None
-            mark = self._mark_get(grad) if judged else None
-        else:
-            grad_counts, judged = grad[:2] if grad is not None else ((0, 0, 0), False)
-            mark = grad[3] if grad is not None and len(grad) > 3 else None
-            grad = ("non-finite" if sum(grad_counts) else "finite") + \
-                " when read before the step"
-        created = not sum(grad_counts)
-        unjudged = False
-        if not created:
-            if judged and mark is not None and not mark.stopped \
-                    and self._opt_stop_step != self._steps \
-                    and ("nan" if counts[0] else "inf") in self.break_on:
-                # a gradient written on purpose (`p.grad[m] = nan`): into the parameter
-                name = self._names.param(p, optimizer)
-                self._opt_stop_step = self._steps
-                return self._mark_violation(
-                    mark, f"the parameter {name} in {type(optimizer).__name__}.step", x,
-                    counts, "optimizer", param=name, frame=_frames.user_frame(_caller(3)))
-            if judged:
-                return None                 # it flows on from a gradient already judged
-            # a gradient no check judged: written outside the watched backward (by hand,
-            # a hook, a collective after it)
-            unjudged = True
-            gkind = "nan" if grad_counts[0] else "inf"
-            stop = gkind in self.break_on
-        else:
-            stop = kind in self.break_on
-        if not stop or self._opt_stop_step == self._steps:
-            return None
-        name = self._names.param(p, optimizer)
-        module, module_type = self._names.owner(name)
-        patterns = tuple(_ALLOWED) + self.allow
-        step_name = f"{type(optimizer).__name__}.step"
-        if patterns and (matches(patterns, (step_name,)) or (module and matches(patterns, (module,)))):
-            return None
-        self._opt_stop_step = self._steps
-        hyper = ", ".join(f"{k}={group[k]!r}" for k in ("lr", "momentum", "weight_decay", "eps")
-                          if k in group and not isinstance(group[k], Tensor))
-        whose = "the parameter" if what == "value" else f"its optimizer state {what!r}"
-        if unjudged:
-            text = (f"{whose} became non-finite in {step_name}() ({hyper}) from its "
-                    "gradient, which was already non-finite: made in backward by an "
-                    "overflow in layers whose gradients are checked only where they "
-                    "leave them (`--watch exact` pins the op)")
-        else:
-            text = (f"{whose} became non-finite in {step_name}() ({hyper}); the op inside "
-                    "step() is not pinned (`--watch exact` pins it)")
-        frame = _frames.user_frame(_caller(3))
-        file, line, function = where or _frames.location(frame)
-        with self._own_ops():
-            inputs = [("gradient", _summary(grad) if isinstance(grad, Tensor) else
-                       grad if isinstance(grad, str) else repr(grad))]
-            output = _summary(x)
-        return Violation(
-            kind=kind, op="", torch_op=step_name, module=module, module_type=module_type,
-            stage="optimizer", frame=frame, file=file, line=line, function=function,
-            nan=nan, posinf=posinf, neginf=neginf, created=created,
-            culprit="" if created else "its gradient", output=output, inputs=inputs,
-            param=name, step=self._steps, text=text)
-
+    # -- the cheap check's verdict -----------------------------------------------------
     def _report_unpinned(self, stage, counts, record=None, param=None, reason="",
                          what=None, where=None, micro=None):
         """A cheap check saw a NaN/Inf that the re-run could not narrow to one op: still a

@@ -9,7 +9,6 @@ each (a module fixture, two at a time: most of the time is torch's import).
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -60,6 +59,9 @@ CASES = {
                         "nan", "backward", []),
     "layernorm_cancellation": ("variance_by_cancellation", ["E[x²] - E[x]²", "torch.var"],
                                "nan", "forward", []),
+    "grad_scaler_step": ("loss_scaler_overflow_stepped",
+                         ["overflow GradScaler found", "scaler.step(optimizer)"],
+                         "nan", "optimizer", []),
     "adam_eps_zero": ("optimizer_eps_zero", ["Adam with eps=0", "exp_avg_sq are 0", "1e-8"],
                       "nan", "optimizer", []),
     "adam_eps_fp16": ("optimizer_eps_zero", ["eps=1e-08 is 0 in float16",

@@ -43,6 +43,8 @@ CASES = [
     ("t5_relative_buckets.py", ()),  # T5's log(0) cast to an integer bucket, generate
     ("ctc_zero_infinity.py", ()),    # CTCLoss(zero_infinity=True), an infeasible sample
     ("jit_trace.py", ()),            # torch.jit.script, torch.jit.trace, training the trace
+    ("grad_scaler_clip.py", ()),     # GradScaler with unscale_ and clip_grad_norm_:
+                                     # the clip makes NaN of an overflow (inf * 0)
     ("grad_scaler_layernorm.py", ()),  # GradScaler from 2^40: NaN from the overflow's
                                        # Infs in LayerNorm's and attention's backward
     ("generate_banned_words.py", ()),  # generate with bad_words_ids, a -inf sequence_bias
@@ -54,6 +56,8 @@ CASES = [
                                       # float16 holds, cast to it: -inf
     ("summed_masks.py", ()),         # two finfo.min masks summed to -inf: GPT-Neo's
                                      # attention, a causal plus a padding mask
+    ("moe_router_gap.py", ()),       # PhiMoE's router in bfloat16: 0/0 under no_grad,
+                                     # only compared with a threshold
 ]
 IDS = [f"{name[:-3]}{'-' + '-'.join(args) if args else ''}" for name, args in CASES]
 RUNS = {"plain": [sys.executable],

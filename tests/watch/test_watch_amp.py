@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conftest import marker_line
 from mldebug.watch import watch
 
 pytestmark = pytest.mark.parametrize("exact", [False, True], ids=["tiers", "exact"])
@@ -21,7 +22,8 @@ class RootAtZero(nn.Module):
         return torch.sqrt(x - x.detach().amin())  # here
 
 
-def train(device, steps, init_scale, model=None, watched=True, exact=False):
+def train(device, steps, init_scale, model=None, watched=True, exact=False, clip=False,
+          scaler_steps=True):
     torch.manual_seed(0)
     model = model or nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))
     model = model.to(device)
@@ -38,8 +40,15 @@ def train(device, steps, init_scale, model=None, watched=True, exact=False):
             with torch.autocast(device.split(":")[0], dtype=torch.float16):
                 loss = nn.functional.cross_entropy(model(x), y)
             scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+            if clip:       # the recipe: unscale_, then clip the true gradients
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if scaler_steps:
+                scaler.step(opt)
+            else:          # a mistake: the step the scaler would skip runs
+                opt.step()
+            if scaler_steps or clip:     # (update needs the check step or unscale_ made)
+                scaler.update()
             scales.append(scaler.get_scale())
     return model, got, scales
 
@@ -114,3 +123,30 @@ def test_a_disabled_scaler_excuses_nothing(device, exact):
         loss = model(torch.randn(4, 8, device=device)).sum()
         scaler.scale(loss).backward()
     assert [v.stage for v in got] == ["backward"] and got[0].torch_op == "torch.sqrt"
+
+
+def test_clipping_the_unscaled_overflow_is_not_a_stop(device, exact):
+    """`unscale_` then `clip_grad_norm_` (the documented recipe, Lightning's and the
+    Trainer's): on an overflowing step the gradients hold Inf, the clip multiplies them
+    by max_norm / inf = 0, NaN, and `scaler.step()` skips the step. No stop, and bitwise
+    the unwatched run."""
+    plain, _, plain_scales = train(device, 12, 2.0 ** 24, watched=False, clip=True)
+    model, got, scales = train(device, 12, 2.0 ** 24, exact=exact, clip=True)
+    assert got == []
+    assert scales == plain_scales and scales[0] < 2.0 ** 24
+    for a, b in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["", "clipped"])
+def test_stepping_on_the_overflow_without_the_scaler_is_a_stop(device, exact, clip):
+    """`optimizer.step()` where `scaler.step(optimizer)` belongs: the step the scaler
+    would skip writes the overflow into the parameters. A stop at the step, the first,
+    whose hint says what to call."""
+    _, got, _ = train(device, 2, 2.0 ** 24, exact=exact, clip=clip, scaler_steps=False)
+    assert got, "no stop"
+    v = got[0]
+    assert v.stage == "optimizer" and v.step == 0
+    assert v.cause == "loss_scaler_overflow_stepped"
+    assert "step with scaler.step(optimizer), then scaler.update()" in v.hint
+    assert v.line == marker_line(__file__, "opt.step()")

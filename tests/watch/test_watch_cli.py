@@ -279,6 +279,63 @@ def test_zero_times_a_masked_inf_is_a_value_until_the_model_returns_it(
         assert stop["reached"] == "" and stop["stage"] == "forward", stop
 
 
+RELATIVE_GAP = """
+    import torch
+    from torch import nn
+
+    class Router(nn.Module):   # PhiMoE's sparsemixer: a relative gap to the top score
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(4, 3, bias=False)
+
+        def forward(self, x):
+            scores = self.gate(x)
+            with torch.{grad}():
+                top = scores.max(-1, keepdim=True).values
+                gap = (top - scores) / scores.abs().clamp(min=top)   # here: 0/0 on a zero row
+                {use}
+            return scores.masked_fill(mask, float("-inf")).softmax(-1){returned}
+
+    torch.manual_seed(0)
+    router = Router()
+    opt = torch.optim.SGD(router.parameters(), lr=0.1)
+    x = torch.randn(6, 4)
+    x[2] = 0.0                                 # a padding token's hidden state
+    for step in range(3):
+        loss = (router(x) * torch.arange(3.0)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        print("loss", step, loss.item())
+"""
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+@pytest.mark.parametrize("case", ["compared", "returned", "with gradient"])
+def test_zero_by_zero_where_no_gradient_flows_inside_a_model_is_a_value_until_returned(
+        write_program, tmp_path, path, case):
+    # 0/0 = NaN inside a model where no gradient flows, only compared with a threshold
+    # (NaN > eps is False): a value made there (PhiMoE in bfloat16, a zero padding row);
+    # a stop at the division once the model returns it, and where a gradient flows
+    use = "mask = gap > 0.02" if case != "with gradient" else "mask = gap.exp() > 1.02"
+    prog = write_program(RELATIVE_GAP.format(
+        grad="enable_grad" if case == "with gradient" else "no_grad", use=use,
+        returned=" + gap.nan_to_num(0) * 0 + gap.sum() * 0" if case == "returned" else ""))
+    result, report = _batch_run(prog, tmp_path, path)
+    if case == "compared":
+        _ran_as_plain(prog, result, report)
+        return
+    assert result.returncode == 3, result.stderr
+    (stop,) = read_report(report)
+    assert (stop["file"], stop["line"]) == (str(prog), marker_line(prog)), stop
+    assert (stop["op"], stop["created"], stop["reason"]) == ("aten.div.Tensor", True, "nan")
+    if case == "returned":
+        assert stop["reached"].startswith("the output of the model call Router"), stop
+        assert "made there by torch.div of 0 by 0 where no gradient flows" in stop["message"]
+    else:
+        assert stop["reached"] == "" and stop["stage"] == "forward", stop
+
+
 SUMMED_MASKS = """
     import torch
     from torch import nn
