@@ -380,8 +380,10 @@ def _computed_again(func, info, args, kwargs, memory, since, grad):
                                                  else None]):
         return None
     if grad:
-        for t in floating:
-            t.requires_grad_(True)            # (as the op's output did: marks.py reads it)
+        read = tensors_in((args, kwargs))
+        for t in floating:     # (as the op's output did: marks.py reads it; not an input
+            if t.is_leaf and not any(t is x for x in read):   # returned as it is)
+                t.requires_grad_(True)
     return outs
 
 
