@@ -62,7 +62,8 @@ class Violation:
     # reached what it must not: e.g. 'the model call Net at train.py:31', 'the loss'
     reached: str = ""
     # ... not written but made by an op where no gradient flows through it: 'torch.log
-    # of 0' (the -Inf of log(0): a log-space mask); '' otherwise
+    # of 0' (the -Inf of log(0): a log-space mask); without `reached`, what made the value
+    # that came in through `culprit` (the loss scale's overflow); '' otherwise
     made_by: str = ""
     # what the value led to before it was read: 'ValueError: ... at policy.py:9', the
     # exception that ended the program there (watch/before_exception.py)
@@ -127,7 +128,8 @@ class Violation:
         if self.kind != "assertion":
             made = "this op made it" if self.op else "made there"
             cause = f"; {made} from {self.made_from()}" if self.created else (
-                f"; it came in through {self.culprit or 'an input'}, made outside the watched ops")
+                f"; it came in through {self.culprit or 'an input'}, made "
+                + (f"by {self.made_by}" if self.made_by else "outside the watched ops"))
             if self.reached:
                 cause = (f"; made there by {self.made_by}, it reaches {self.reached}"
                          if self.made_by else

@@ -35,6 +35,7 @@ SCALER_OPS = ("aten._amp_foreach_non_finite_check_and_unscale_", "aten._amp_upda
 # found (`optimizer.step()` where `scaler.step(optimizer)` skips the step): the
 # catalogue's `loss_scaler_overflow_stepped` (remedies/hints.py)
 STEPPED_ON_OVERFLOW = {"loss_scaler": {"found_inf": True}}
+OVERFLOW_MADE_BY = "the loss scale's overflow, which GradScaler found"
 
 try:
     from torch.amp.grad_scaler import GradScaler as _GradScaler

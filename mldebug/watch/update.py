@@ -28,7 +28,7 @@ from ..core import frames as _frames
 from ..core.native import memory_needed
 from ..core.records import Violation
 from . import checks as _checks
-from .amp import STEPPED_ON_OVERFLOW
+from .amp import OVERFLOW_MADE_BY, STEPPED_ON_OVERFLOW
 from .data_origin import _is_parameter
 from .checks import (_ALLOWED, _PLAIN, _STRIDED, _caller, _counts, _floating, _is_cpu,
                      _summary, pop_if_top, push)
@@ -411,5 +411,5 @@ class OptimizerStep:
             culprit="" if created else "its gradient", output=output, inputs=inputs,
             param=name, step=self._steps, text=text)
         if overflow:
-            v.evidence = dict(STEPPED_ON_OVERFLOW)
+            v.evidence, v.made_by = dict(STEPPED_ON_OVERFLOW), OVERFLOW_MADE_BY
         return v

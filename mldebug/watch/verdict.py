@@ -26,7 +26,7 @@ from ..core.records import Violation
 from ..core.session import current
 from ..remedies import hints as _hints
 from . import data_origin as _data_origin
-from .amp import SCALER_OPS, STEPPED_ON_OVERFLOW, stays_unscaled
+from .amp import OVERFLOW_MADE_BY, SCALER_OPS, STEPPED_ON_OVERFLOW, stays_unscaled
 from .checks import (_ALLOWED, METADATA_KEY, _caller, _counts, _floating, _isfinite,
                      _summary, push, torch_formula,
                      user_code_in_backward)
@@ -410,6 +410,7 @@ class Verdict:
             v.evidence = _hints.gather(info, args, kwargs, rows, bad, stage, here is None)
         if stepped:
             v.evidence = {**(v.evidence or {}), **STEPPED_ON_OVERFLOW}
+            v.made_by = OVERFLOW_MADE_BY
         if stage == "forward" and culprit_value is not None:
             _data_origin.name_the_data(v, culprit_value)
         return v

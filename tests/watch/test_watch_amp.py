@@ -149,4 +149,5 @@ def test_stepping_on_the_overflow_without_the_scaler_is_a_stop(device, exact, cl
     assert v.stage == "optimizer" and v.step == 0
     assert v.cause == "loss_scaler_overflow_stepped"
     assert "step with scaler.step(optimizer), then scaler.update()" in v.hint
+    assert "made by the loss scale's overflow, which GradScaler found" in v.headline()
     assert v.line == marker_line(__file__, "opt.step()")
