@@ -52,6 +52,37 @@ from .native_check import nonfinite as _native_nonfinite
 from .ops import LOG_AT_ZERO, MASKS_CAST, MASKS_SUMMED, NAN_FROM_INFS, ZERO_BY_ZERO
 from .roots import call_kwargs, in_a_root
 
+# ops whose value made on purpose is a mask, which a model may return (masked logits):
+# a stop only where it reaches the loss (ops.MASKS_SUMMED, MASKS_CAST)
+_MASK_MAKERS = ("aten.add", "aten._to_copy")
+# the hint of a stop where a value an op made on purpose went (its aten name's prefix ->
+# its cause and fix, at WHERE the op is)
+_LEAVE_OUT = ("leave the masked entries out (torch.where(mask, 0, logp), "
+              "torch.special.xlogy), or mask the NaN out (torch.nan_to_num, torch.nansum) "
+              "before it goes on")
+_MADE_HINTS = (
+    (("aten.log",), "{made_by} is -Inf; fix at {where}: clamp the input by an eps "
+     "(torch.log(x.clamp_min(1e-12))), or mask the -Inf out (torch.where) before it "
+     "reaches the loss, a gradient or a parameter"),
+    (("aten.mul",), "0 * -Inf is NaN; fix at {where}: " + _LEAVE_OUT),
+    (("aten.sub",), "-Inf - -Inf is NaN; fix at {where}: " + _LEAVE_OUT),
+    (("aten.div",), "0 / 0 is NaN; fix at {where}: keep the divisor from 0 (an eps, "
+     "clamp(min=...)), or mask the NaN out (torch.where, torch.nan_to_num) before the "
+     "model returns it"),
+    (("aten.add",), "two masks at the dtype's lowest value summed are -Inf; fix at "
+     "{where}: combine the masks with torch.minimum (or as booleans) before adding them, "
+     "and keep a fully masked row out of softmax"),
+    (("aten._to_copy",), "a mask cast to a dtype that cannot hold it is -Inf; fix at "
+     "{where}: write the mask as torch.finfo(dtype).min of the dtype it is used in"),
+)
+
+
+def _made_hint(op: str, made_by: str, where: str) -> str:
+    """The hint of a stop where the value that OP (aten name) made on purpose went."""
+    return next((text.format(made_by=made_by, where=where) for prefixes, text in _MADE_HINTS
+                 if op.startswith(prefixes)), "")
+
+
 # names whose attribute `nan`/`inf` is a constant in a literal (`math.inf`, `np.nan`)
 _CONSTANT_MODULES = frozenset({"math", "np", "numpy", "torch"})
 _CONSTANT_NAMES = frozenset({"nan", "inf", "pi", "e"})
@@ -249,7 +280,7 @@ class WrittenMarks:
         what = f"the output of the model call {type(module).__name__} at {_short(site)}"
         made = [t for t in tensors_in(output) if t.is_floating_point()
                 and (m := self._mark_get(t)) is not None and m.origin.made_by
-                and not m.origin.op[0].startswith(("aten.add", "aten._to_copy"))]
+                and not m.origin.op[0].startswith(_MASK_MAKERS)]
         self._marks_reach(made, what, False, None)
 
     def _check_loss_marks(self, roots, site, backwards=None) -> None:
@@ -315,22 +346,7 @@ class WrittenMarks:
                 text=(f"{made_by} is {'-' if kind == 'inf' and counts[2] else ''}{noun} "
                       f"at {where}: a value on its own (a log-space mask, a temporary), not "
                       f"a stop; it reaches {what}"),
-                hint=(f"{made_by} is -Inf; fix at {where}: clamp the input by an eps "
-                      "(torch.log(x.clamp_min(1e-12))), or mask the -Inf out (torch.where) "
-                      "before it reaches the loss, a gradient or a parameter")
-                if "log" in mark.origin.op[0] else
-                (f"{'0 * -Inf' if 'mul' in mark.origin.op[0] else '-Inf - -Inf'} is NaN; "
-                 f"fix at {where}: leave the masked entries out (torch.where(mask, 0, "
-                 "logp), torch.special.xlogy), or mask the NaN out (torch.nan_to_num, "
-                 "torch.nansum) before it goes on")
-                if mark.origin.op[0].startswith(("aten.mul", "aten.sub")) else
-                (f"two masks at the dtype's lowest value summed are -Inf; fix at {where}: "
-                 "combine the masks with torch.minimum (or as booleans) before adding "
-                 "them, and keep a fully masked row out of softmax")
-                if mark.origin.op[0].startswith("aten.add") else
-                (f"a mask cast to a dtype that cannot hold it is -Inf; fix at {where}: "
-                 "write the mask as torch.finfo(dtype).min of the dtype it is used in")
-                if mark.origin.op[0].startswith("aten._to_copy") else "")
+                hint=_made_hint(mark.origin.op[0], made_by, where))
         return Violation(
             kind=kind, op=op, torch_op=torch_op, module=module, module_type=module_type,
             stage=stage, frame=frame, file=mark.file, line=mark.line,

@@ -332,6 +332,7 @@ def test_zero_by_zero_where_no_gradient_flows_inside_a_model_is_a_value_until_re
     if case == "returned":
         assert stop["reached"].startswith("the output of the model call Router"), stop
         assert "made there by torch.div of 0 by 0 where no gradient flows" in stop["message"]
+        assert stop["hint"].startswith(f"0 / 0 is NaN; fix at {prog.name}:"), stop["hint"]
     else:
         assert stop["reached"] == "" and stop["stage"] == "forward", stop
 
