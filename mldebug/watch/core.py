@@ -222,7 +222,7 @@ class Watch(PerOpCheck, Verdict, Taint, DeviceWindow, DeviceReads, Roots, Health
         self._accumulating = False  # ... more than one before a step (a stop names it)
         self._steps = 0             # optimizer steps taken
         self._opt_seen = False
-        self._step_grads: dict = {}  # id(param) -> (counts, judged, from a stop) of its
+        self._step_grads: dict = {}  # id(param) -> update.GradRead of its non-finite
                                      # gradient read before the last step (a device)
         self._step_tensors = weakref.WeakKeyDictionary()   # optimizer -> the tensors
                                      # its step writes (update.StepTensors)

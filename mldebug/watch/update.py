@@ -21,6 +21,7 @@ import threading
 from functools import partial
 from itertools import chain
 from operator import is_, methodcaller
+from typing import NamedTuple
 
 from torch import Tensor
 
@@ -38,6 +39,18 @@ from .step_ledger import cuda_graph_aside, fused_key
 _get_ident = threading.get_ident
 _values = methodcaller("values")
 LIVE_GRAD = object()   # _judge_step: the step's gradient is the parameter's `.grad` now
+
+
+class GradRead(NamedTuple):
+    """What a device's read before the step found of a non-finite gradient."""
+    counts: tuple          # (NaN, +Inf, -Inf)
+    judged: bool           # its values were judged already (the taint)
+    from_stop: bool        # ... and descend from a reported stop
+    mark: object           # the Mark of a value written on purpose in it, or None
+    overflow: bool         # it holds the loss scaler's overflow (amp.py)
+
+
+_FINITE_READ = GradRead((0, 0, 0), False, False, None, False)   # (a finite gradient)
 
 
 class StepTensors:
@@ -222,17 +235,17 @@ class OptimizerStep:
                         defer=True)
 
     def _judge_step_grads(self, params, grads, bad):
-        """A judge: (counts, judged, from a stop, Mark or None, holds the loss scaler's
-        overflow) of each non-finite gradient."""
+        """A judge: a GradRead of each non-finite gradient."""
         verdicts = {}
         for i in bad:
             with self._own_ops():
                 c = _counts(grads[i])
             if sum(c):
                 known = self._taint_get(grads[i])
-                verdicts[id(params[i])] = (c, known is not None, bool(known and known[2]),
-                                           self._mark_get(grads[i]) if known else None,
-                                           self._amp.holds_overflow(grads[i]))
+                verdicts[id(params[i])] = GradRead(
+                    c, known is not None, bool(known and known[2]),
+                    self._mark_get(grads[i]) if known else None,
+                    self._amp.holds_overflow(grads[i]))
         self._step_grads = verdicts
 
     def _check_step(self, optimizer):
@@ -319,7 +332,7 @@ class OptimizerStep:
                 lineage.append(bool(known and known[2]))
             else:
                 grad = grads.get(id(p))
-                lineage.append(bool(grad and grad[1] and grad[2]))
+                lineage.append(grad is not None and grad.judged and grad.from_stop)
             v = self._judge_step(optimizer, x, p, what, group, c, grad=grad, where=where)
             if v is not None and reported is None:
                 reported = v
@@ -334,12 +347,11 @@ class OptimizerStep:
     def _judge_step(self, optimizer, x, p, what, group, counts, grad=LIVE_GRAD, where=None):
         """The stop rule for a parameter (or its state) that the step left non-finite.
         GRAD: LIVE_GRAD while the step's gradient is `p.grad`; read later (a device's
-        step read), what the read before the step found of it ((counts, judged, from a
-        stop, Mark or None) or None: finite). WHERE: (file, line, function) of the step
+        step read), what the read before the step found of it (a GradRead, or None:
+        finite). WHERE: (file, line, function) of the step
         when it is not the frame's."""
         nan, posinf, neginf = counts
         kind = "nan" if nan else "inf"
-        mark = None
         if grad is LIVE_GRAD:
             grad = p.grad
             grad_counts = _counts(grad) if isinstance(grad, Tensor) and _floating(grad) \
@@ -348,9 +360,9 @@ class OptimizerStep:
             mark = self._mark_get(grad) if judged else None
             overflow = judged and self._amp.holds_overflow(grad)
         else:
-            grad_counts, judged = grad[:2] if grad is not None else ((0, 0, 0), False)
-            mark = grad[3] if grad is not None and len(grad) > 3 else None
-            overflow = grad is not None and len(grad) > 4 and grad[4]
+            read = grad if grad is not None else _FINITE_READ
+            grad_counts, judged, mark, overflow = read.counts, read.judged, read.mark, \
+                read.overflow
             grad = ("non-finite" if sum(grad_counts) else "finite") + \
                 " when read before the step"
         created = not sum(grad_counts)
